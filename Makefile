@@ -1,0 +1,27 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both build .venv on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml scripts/install.sh
+	PY=$(PY) VENV=$(VENV) bash scripts/install.sh
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/grpo.py $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check yatt_ray examples tests release
+	$(BIN)/ruff format --check yatt_ray examples tests release
+	$(BIN)/mypy yatt_ray/__init__.py yatt_ray/config.py yatt_ray/fit.py yatt_ray/errors.py
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)
