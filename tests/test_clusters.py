@@ -1,0 +1,157 @@
+"""Every clusters/*.yaml passes Ray's own cluster-launcher validation, offline.
+
+`ray up` loads the YAML and, in `ray.autoscaler._private.commands._bootstrap_config`, calls
+`prepare_config` (merge with the provider's defaults.yaml, fill per-node-type worker bounds) and then
+`validate_config` (jsonschema against ray/autoscaler/ray-schema.json, plus cross-field checks such as
+`head_node_type` being a declared node type). These tests call the same two functions. The steps `ray up`
+runs after them talk to the cloud provider and are not run here: no network, no credentials.
+"""
+
+from __future__ import annotations
+
+import configparser
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER_FILES = sorted((ROOT / "clusters").glob("*.yaml"))
+A100 = ROOT / "clusters" / "a100.yaml"
+
+# GPUs per instance, for node types that give an instance type but no "GPU" resource.
+GPUS_PER_INSTANCE = {"p4d.24xlarge": 8, "p4de.24xlarge": 8, "p5.48xlarge": 8}
+
+GPU_EXTRA_INSTALL = re.compile(r"pip install\b.*yatt_ray\[gpu\]")
+TORCH_PIN = re.compile(r"torch==([\w.+-]+)")
+
+
+def load(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def ray_validate(config: dict[str, Any]) -> None:
+    """What `ray up` does to a config before it contacts the cloud provider."""
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+def worker_types(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    head = config.get("head_node_type")
+    return {name: spec for name, spec in config.get("available_node_types", {}).items() if name != head}
+
+
+def declared_gpus(node_type: dict[str, Any]) -> int:
+    resources = node_type.get("resources") or {}
+    if "GPU" in resources:
+        return int(resources["GPU"])
+    return GPUS_PER_INSTANCE.get(node_type.get("node_config", {}).get("InstanceType", ""), 0)
+
+
+def setup_cfg_torch_pin() -> str:
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    match = TORCH_PIN.search(parser["options"]["install_requires"])
+    assert match, "setup.cfg no longer pins torch; update this test and the cluster YAMLs together"
+    return match.group(1)
+
+
+def yatt_problems(config: dict[str, Any]) -> list[str]:
+    """yatt_ray's own requirements on a cluster config, beyond Ray's schema; an empty list means none."""
+    problems = []
+    workers = worker_types(config)
+    if not workers:
+        problems.append("no worker node type besides the head")
+    for name, spec in workers.items():
+        if declared_gpus(spec) <= 0:
+            problems.append(f"worker type {name!r} declares no GPUs (resources.GPU or a known InstanceType)")
+        if spec.get("max_workers", config.get("max_workers", 0)) < spec.get("min_workers", 0):
+            problems.append(f"worker type {name!r}: max_workers < min_workers")
+    min_total = sum(spec.get("min_workers", 0) for spec in config.get("available_node_types", {}).values())
+    if config.get("max_workers", 0) < min_total:
+        problems.append(f"max_workers {config.get('max_workers')} < sum of min_workers {min_total}")
+
+    commands = config.get("setup_commands", []) + config.get("worker_setup_commands", [])
+    if not any(GPU_EXTRA_INSTALL.search(cmd) for cmd in commands):
+        problems.append("setup_commands do not `pip install` yatt_ray with its [gpu] extra")
+    pins = {m.group(1) for cmd in commands for m in TORCH_PIN.finditer(cmd)}
+    if pins and pins != {setup_cfg_torch_pin()}:
+        problems.append(f"torch pin {sorted(pins)} differs from setup.cfg's torch=={setup_cfg_torch_pin()}")
+
+    for remote, local in config.get("file_mounts", {}).items():
+        if not (ROOT / local).exists():
+            problems.append(f"file_mounts {remote!r}: local path {local!r} missing from the checkout")
+    return problems
+
+
+def test_cluster_files_exist():
+    assert A100 in CLUSTER_FILES
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
+def test_passes_ray_launcher_validation(path: Path):
+    ray_validate(load(path))
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
+def test_meets_yatt_requirements(path: Path):
+    assert yatt_problems(load(path)) == []
+
+
+def test_a100_workers_have_eight_gpus():
+    config = load(A100)
+    assert config["cluster_name"] == "yatt-ray-a100"
+    workers = worker_types(config)
+    assert workers, "a100.yaml has no worker node type"
+    for name, spec in workers.items():
+        assert declared_gpus(spec) == 8, f"{name}: expected 8 A100s per node"
+        assert spec["node_config"]["InstanceType"] == "p4d.24xlarge"
+
+
+def test_misspelt_top_level_key_fails_ray_validation():
+    config = load(A100)
+    config["max_worker"] = config.pop("max_workers")
+    with pytest.raises(jsonschema.ValidationError, match="max_worker"):
+        ray_validate(config)
+
+
+def test_min_workers_above_global_max_fails_ray_validation():
+    config = load(A100)
+    config["max_workers"] = 0
+    with pytest.raises(ValueError, match="max_workers"):
+        ray_validate(config)
+
+
+def _no_gpus(config):
+    for spec in worker_types(config).values():
+        spec["resources"] = {"CPU": 96}
+        spec["node_config"]["InstanceType"] = "m5.24xlarge"
+
+
+def _cpu_extra(config):
+    config["setup_commands"] = [cmd.replace("[gpu]", "[cpu]") for cmd in config["setup_commands"]]
+
+
+def _min_above_max(config):
+    for spec in worker_types(config).values():
+        spec["min_workers"] = spec["max_workers"] + 1
+
+
+def _other_torch(config):
+    config["setup_commands"] = [TORCH_PIN.sub("torch==0.0.1", cmd) for cmd in config["setup_commands"]]
+
+
+def _missing_mount(config):
+    config["file_mounts"]["~/nowhere"] = "./no/such/path"
+
+
+@pytest.mark.parametrize("break_it", [_no_gpus, _cpu_extra, _min_above_max, _other_torch, _missing_mount])
+def test_yatt_checks_can_fail(break_it):
+    config = load(A100)
+    break_it(config)
+    assert yatt_problems(config), f"{break_it.__name__} went unnoticed"

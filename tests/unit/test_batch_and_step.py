@@ -1,0 +1,48 @@
+"""Packing rollouts into tensors, GRPO advantages per token, and the loss closure's sharing convention."""
+
+import torch
+
+from yatt_ray.batch import pack
+from yatt_ray.config import Config
+from yatt_ray.step import group_advantages, grpo_loss_fn
+
+
+def test_pack_layout():
+    batch, width = pack([[1, 5], [1, 6, 7]], [[9, 2], [8]], [[-0.5, -0.1], [-0.3]], pad_id=0)
+    assert width == 3
+    assert batch["input_ids"].tolist() == [[0, 1, 5, 9, 2], [1, 6, 7, 8, 0]]
+    assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert batch["response_mask"].tolist() == [[1, 1], [1, 0]]
+    torch.testing.assert_close(batch["rollout_logp"], torch.tensor([[-0.5, -0.1], [-0.3, 0.0]]))
+
+
+def test_group_advantages_are_per_prompt_and_masked():
+    cfg = Config()
+    cfg.rollout.n = 2
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])  # prompt 0: one right one wrong; prompt 1: both right
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    adv = group_advantages(rewards, mask, cfg)
+    # prompt 0: mean 0.5, unbiased std sqrt(0.5) -> +-0.5/0.7071 = +-0.7071; prompt 1: all equal -> 0
+    expected = torch.tensor([[0.70710, 0.70710], [-0.70710, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    torch.testing.assert_close(adv, expected, atol=1e-4, rtol=0)
+
+
+def test_loss_shares_sum_to_full_batch_loss():
+    torch.manual_seed(0)
+    cfg = Config()
+    n, width_p, width_r = 4, 3, 5
+    logp = torch.randn(n, width_p + width_r - 1, requires_grad=True)
+    entropy = torch.rand(n, width_p + width_r - 1)
+    mask = (torch.rand(n, width_r) > 0.3).float()
+    mb = {
+        "response_mask": mask,
+        "old_logp": logp[:, width_p - 1 :].detach() + 0.1 * torch.randn(n, width_r),
+        "ref_logp": torch.randn(n, width_r),
+        "advantages": torch.randn(n, width_r),
+    }
+    fn = grpo_loss_fn(cfg.algo, width_p, float(mask.sum()))
+    full, full_metrics = fn(logp, entropy, mb)
+    halves = [fn(logp[i : i + 2], entropy[i : i + 2], {k: v[i : i + 2] for k, v in mb.items()}) for i in (0, 2)]
+    torch.testing.assert_close(halves[0][0] + halves[1][0], full)
+    for key in ("pg_loss", "kl", "entropy", "clipfrac"):
+        assert abs(halves[0][1][key] + halves[1][1][key] - full_metrics[key]) < 1e-6

@@ -1,0 +1,59 @@
+"""Config loading, overrides and validation errors (no cluster)."""
+
+import pytest
+
+from yatt_ray import ConfigError, load_config
+from yatt_ray.config import Config
+
+EXAMPLE = "examples/configs/grpo.yaml"
+
+
+def test_yaml_and_overrides_are_typed():
+    cfg = load_config(EXAMPLE, ["train.steps=3", "algo.kl_coef=0", "data.train_files=[a.parquet, b.parquet]"])
+    assert cfg.train.steps == 3
+    assert cfg.algo.kl_coef == 0.0 and isinstance(cfg.algo.kl_coef, float)
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.rollout.n == 8  # from the YAML, not the dataclass default
+    assert cfg.cluster.address is None
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(EXAMPLE, ["train.lr=0.01"])
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("algo.kl_estimator=k9", "algo.kl_estimator='k9' is unknown; valid: k1, k2, k3"),
+        ("algo.advantage=gae", "algo.advantage='gae' is unknown"),
+        ("algo.name=dpo", "algo.name='dpo' is unknown; valid: grpo"),
+        ("rollout.n=1", "set rollout.n >= 2"),
+        ("train.prompts_per_step=15", "multiple of train.dp_size=2"),
+        ("algo.kl_coef=-0.1", "algo.kl_coef=-0.1 must be >= 0"),
+        ("train.steps=two", "train.steps='two' must be of type int"),
+        ("train.stepz=3", "unknown config key(s) ['train.stepz']"),
+        ("reward.function=no_such_module:fn", "reward.function='no_such_module:fn' cannot be imported"),
+        ("steps", "is not of the form key.sub=value"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, [override])
+    assert fragment in str(info.value)
+
+
+def test_all_errors_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.steps=0", "train.lr=-1"])
+    assert "train.steps=0" in str(info.value) and "train.lr=-1" in str(info.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("nope.yaml")
+
+
+def test_user_reward_function_by_dotted_path():
+    cfg = load_config(None, ["reward.function=yatt_ray.reward.rules:exact_match"])
+    assert cfg.reward.function.endswith("exact_match")

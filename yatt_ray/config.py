@@ -1,0 +1,260 @@
+"""Typed configuration: dataclass sections, YAML loading, `key.sub=value` overrides and validation.
+
+A config is a tree of small dataclasses. `load_config(path, overrides)` reads a YAML file (optional),
+applies `section.key=value` overrides (values parsed as YAML scalars), and validates the whole. Every
+error names the key, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from yatt_ray.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """The policy. `path` is a Hugging Face directory (Llama architecture); empty builds the demo model."""
+
+    path: str = ""
+    dtype: str = "float32"
+
+
+@dataclass
+class DataConfig:
+    """Prompt data: parquet or jsonl files (local paths, globs or fsspec URLs); empty generates the demo task."""
+
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)  # greedy accuracy at the start and the end
+    prompt_key: str = "prompt"
+    answer_key: str = "ground_truth"
+    source_key: str = "data_source"
+    id_key: str = "id"
+    max_prompt_tokens: int = 64
+    shuffle_seed: int | None = 0
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: engine kind, samples per prompt and sampling parameters."""
+
+    engine: str = "auto"  # vllm | hf | auto (vllm when installed)
+    n: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    weight_sync_bucket_mb: int = 64
+    kv_cache_gb: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored: a built-in rule name or a user function as `package.module:function`."""
+
+    function: str = "exact_match"
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm: advantage estimator, policy loss, KL to the reference and aggregation."""
+
+    name: str = "grpo"
+    advantage: str = "grpo"
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.001
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    ppo_epochs: int = 1
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and parallelism. `prompts_per_step` counts prompts over all data-parallel groups."""
+
+    steps: int = 40
+    prompts_per_step: int = 16
+    micro_batch_size: int = 64
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    dp_size: int = 1
+    tp_size: int = 1
+    seed: int = 0
+
+
+@dataclass
+class ClusterConfig:
+    """Where to run. `address` None starts (or joins, under `ray job submit`) a cluster; `use_gpu` None = auto."""
+
+    address: str | None = None
+    cpus_per_worker: int = 1
+    use_gpu: bool | None = None
+    timeout_s: float = 600.0
+
+
+@dataclass
+class OutputConfig:
+    """Where results go: metrics.jsonl, TensorBoard events, the reward plot and checkpoints."""
+
+    dir: str = "runs/grpo"
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+@dataclass
+class DemoConfig:
+    """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
+
+    sft_steps: int = 100
+    max_operand: int = 19
+    train_prompts: int = 4096
+    eval_prompts: int = 128
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        return _build(cls, data, prefix="")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read `path` (YAML, optional), apply `key.sub=value` overrides, validate, and return a Config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file (see examples/configs/)")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    for item in overrides or []:
+        _apply_override(data, item)
+    config = Config.from_dict(data)
+    validate(config)
+    return config
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.sub=value (for example train.steps=10)")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys in "
+            f"{prefix.rstrip('.') or 'the root'}: {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, prefix + name)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, key)
+    if origin is list:
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(args[0], v, key) for v in items]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r} must be of type {hint.__name__}")
+    return value
+
+
+def validate(config: Config) -> None:
+    """Check values that need no cluster or files: ranges, orderings and registered names."""
+    from yatt_ray.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+    from yatt_ray.reward import resolve_reward_fn
+
+    errors: list[str] = []
+
+    def need(cond: bool, message: str) -> None:
+        if not cond:
+            errors.append(message)
+
+    t, r, a = config.train, config.rollout, config.algo
+    need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    need(t.dp_size >= 1, f"train.dp_size={t.dp_size} must be >= 1")
+    need(t.tp_size >= 1, f"train.tp_size={t.tp_size} must be >= 1")
+    need(
+        t.prompts_per_step >= t.dp_size and t.prompts_per_step % t.dp_size == 0,
+        f"train.prompts_per_step={t.prompts_per_step} must be a positive multiple of train.dp_size={t.dp_size} "
+        "(each data-parallel group takes the same number of prompts)",
+    )
+    need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    need(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    need(r.n >= 1, f"rollout.n={r.n} must be >= 1")
+    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    need(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0")
+    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    need(r.engine in ("auto", "vllm", "hf"), f"rollout.engine={r.engine!r} is unknown; valid: auto, hf, vllm")
+    need(a.name == "grpo", f"algo.name={a.name!r} is unknown; valid: grpo")
+    need(a.clip_low > 0 and a.clip_high > 0, f"algo.clip_low={a.clip_low}, algo.clip_high={a.clip_high} must be > 0")
+    need(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL term)")
+    need(a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
+    for key, value, registry in (
+        ("algo.advantage", a.advantage, ADVANTAGE_ESTIMATORS),
+        ("algo.policy_loss", a.policy_loss, POLICY_LOSSES),
+        ("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS),
+        ("algo.loss_agg", a.loss_agg, LOSS_AGGREGATIONS),
+    ):
+        need(value in registry, f"{key}={value!r} is unknown; valid: {', '.join(sorted(registry.names()))}")
+    if a.advantage.startswith("grpo"):
+        need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a prompt's group; set rollout.n >= 2")
+    try:
+        resolve_reward_fn(config.reward.function)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    need(config.cluster.cpus_per_worker >= 1, f"cluster.cpus_per_worker={config.cluster.cpus_per_worker} must be >= 1")
+    need(config.cluster.timeout_s > 0, f"cluster.timeout_s={config.cluster.timeout_s} must be > 0")
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

@@ -1,0 +1,261 @@
+"""The per-group loop, run inside every Ray Train worker.
+
+Each data-parallel group has one controller: its tensor-parallel rank 0. The controller pulls prompts from
+its own Ray Data stream, drives its colocated rollout engine, scores the samples, and hands the group's
+batch to the other ranks of its group. Every rank then runs the same trainer phases. One step:
+
+    rollout -> reward -> log-probs (old, reference) -> GRPO advantages -> train -> weight sync
+
+Groups meet only in collectives: gradient all-reduce, the global token count for loss normalisation, and
+metric reduction. Only scalar metrics leave the workers (through the MetricsHub actor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from yatt_ray.batch import pack
+from yatt_ray.config import Config
+from yatt_ray.metrics.timers import PhaseTimer
+from yatt_ray.rollout.base import SamplingSpec
+from yatt_ray.step import StepInputs, grpo_loss_fn, group_advantages, reduce_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This worker's place: data-parallel group and rank within the tensor-parallel group."""
+
+    rank: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def is_controller(self) -> bool:
+        return self.tp_rank == 0
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """Ray Train entry point: build the group's roles, run the steps, report the final checkpoint."""
+    GroupController(loop_config).run()
+
+
+class GroupController:
+    """One worker's roles and loop; the rollout engine and the prompt stream exist on controller ranks only."""
+
+    def __init__(self, loop_config: dict) -> None:
+        from megatron.core import parallel_state
+
+        from yatt_ray.train import MegatronPolicy, apply_cpu_shims, initialize_parallel
+
+        self.config = config = Config.from_dict(loop_config["config"])
+        self.hub = loop_config["hub"]
+        torch.set_num_threads(max(1, config.cluster.cpus_per_worker))
+        apply_cpu_shims()
+        initialize_parallel(tp_size=config.train.tp_size, seed=config.train.seed)
+        self.layout = Layout(
+            rank=dist.get_rank(),
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        )
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_src = parallel_state.get_tensor_model_parallel_src_rank()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        t = config.train
+        self.policy = MegatronPolicy(
+            config.model.path,
+            tp_size=t.tp_size,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            seed=t.seed,
+            with_reference=config.algo.kl_coef > 0,
+        )
+        self.timer = PhaseTimer()
+        self.prompts_per_group = t.prompts_per_step // t.dp_size
+        if self.layout.is_controller:
+            self._init_controller(loop_config)
+
+    def _init_controller(self, loop_config: dict) -> None:
+        from transformers import AutoTokenizer
+
+        from yatt_ray.reward import resolve_reward_fn
+        from yatt_ray.rollout import make_engine
+
+        cfg, dp = self.config, self.layout.dp_rank
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.reward_fn = resolve_reward_fn(cfg.reward.function)
+        self.engine = make_engine(
+            cfg.rollout.engine,
+            cfg.model.path,
+            seed=cfg.train.seed + dp,
+            kv_cache_gb=cfg.rollout.kv_cache_gb,
+            max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        )
+        self.prompt_stream = _forever(loop_config["train_shards"][dp], self.prompts_per_group)
+        eval_shards = loop_config.get("eval_shards")
+        self.eval_shard = eval_shards[dp] if eval_shards else None
+        self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg = self.config
+        self._push({"step": 0, **self.evaluate()})
+        last: dict[str, float] = {}
+        for step in range(1, cfg.train.steps + 1):
+            last = self.step(step)
+            self._push(last)
+        final_eval = self.evaluate()
+        self._push({"step": cfg.train.steps, **final_eval})
+        self._report_final({**last, **final_eval})
+
+    def step(self, step: int) -> dict[str, float]:
+        """One GRPO step for this group; returns the step's metrics reduced over all groups."""
+        cfg, timer = self.config, self.timer
+        timer.reset()
+        start = time.perf_counter()
+        with timer.phase("rollout"):
+            local = self._rollout() if self.layout.is_controller else None
+        with timer.phase("reward"):
+            if local is not None:
+                local.rewards = torch.tensor(
+                    [self.reward_fn(text, gt, src) for text, gt, src in local.scoring_inputs()], dtype=torch.float32
+                )
+        local = self._broadcast_in_group(local)
+        with timer.phase("logprobs"):
+            mb = cfg.train.micro_batch_size
+            old_logp, _ = self.policy.log_probs(local.batch["input_ids"], local.batch["attention_mask"], mb)
+            local.batch["old_logp"] = old_logp[:, local.prompt_width - 1 :]
+            if cfg.algo.kl_coef > 0:
+                ref_logp, _ = self.policy.log_probs(
+                    local.batch["input_ids"], local.batch["attention_mask"], mb, reference=True
+                )
+                local.batch["ref_logp"] = ref_logp[:, local.prompt_width - 1 :]
+        local.batch["advantages"] = group_advantages(local.rewards, local.batch["response_mask"], cfg)
+        global_tokens = self._dp_sum(local.batch["response_mask"].sum())
+        with timer.phase("train"):
+            loss_fn = grpo_loss_fn(cfg.algo, local.prompt_width, global_tokens)
+            train_stats: dict[str, float] = {}
+            for _ in range(cfg.algo.ppo_epochs):
+                train_stats = self.policy.train_step(local.batch, loss_fn, mb)
+        with timer.phase("weight_sync"):
+            self.sync_weights()
+        times = {**timer.totals(), "step": time.perf_counter() - start}
+        return reduce_metrics(step, local, train_stats, times, self.layout.is_controller)
+
+    def _rollout(self) -> StepInputs:
+        cfg = self.config
+        rows = next(self.prompt_stream)
+        prompt_ids = [self._encode_prompt(p) for p in rows["prompt"]]
+        spec = SamplingSpec(
+            n=cfg.rollout.n,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            stop_token_ids=self.stop_ids,
+        )
+        self.engine.wake()
+        completions = self.engine.generate(prompt_ids, spec)
+        self.engine.sleep()
+        flat = [c for group in completions for c in group]
+        prompts = [p for p in prompt_ids for _ in range(cfg.rollout.n)]
+        batch, width = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat])
+        return StepInputs(
+            batch=batch,
+            prompt_width=width,
+            texts=[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
+            ground_truths=[str(g) for g in rows["ground_truth"] for _ in range(cfg.rollout.n)],
+            sources=[str(s) for s in rows["data_source"] for _ in range(cfg.rollout.n)],
+            n=cfg.rollout.n,
+            truncated=sum(c.finish_reason == "length" for c in flat),
+        )
+
+    def _encode_prompt(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(str(prompt))["input_ids"]
+        limit = self.config.data.max_prompt_tokens
+        return ids[-limit:] if len(ids) > limit else ids
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def _broadcast_in_group(self, local: StepInputs | None) -> StepInputs:
+        if self.layout.tp_size == 1:
+            assert local is not None
+            return local
+        box = [local]
+        dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
+        return box[0]
+
+    def _dp_sum(self, value: torch.Tensor) -> float:
+        total = value.detach().to(torch.float64).reshape(1).clone()
+        dist.all_reduce(total, group=self.dp_group)
+        return float(total.item())
+
+    def sync_weights(self) -> None:
+        """Trainer -> engine, in buckets, in this process; non-controller ranks join the TP gather only."""
+        bucket_bytes = self.config.rollout.weight_sync_bucket_mb * 2**20
+        for bucket in self.policy.iter_hf_buckets(bucket_bytes):
+            if self.layout.is_controller:
+                self.engine.load_weights(bucket)
+
+    # ---- evaluation and reporting -------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy and mean reward on the eval split (summed over groups); {} without eval data."""
+        if not self.config.data.eval_files:
+            return {}
+        sums = torch.zeros(3, dtype=torch.float64)  # reward sum, correct count, sample count
+        if self.layout.is_controller and self.eval_shard is not None:
+            spec = SamplingSpec(
+                n=1, max_new_tokens=self.config.rollout.max_new_tokens, temperature=0.0, stop_token_ids=self.stop_ids
+            )
+            self.engine.wake()
+            for rows in self.eval_shard.iter_batches(batch_size=256, batch_format="numpy"):
+                outs = self.engine.generate([self._encode_prompt(p) for p in rows["prompt"]], spec)
+                for group, gt, src in zip(outs, rows["ground_truth"], rows["data_source"]):
+                    text = self.tokenizer.decode(group[0].token_ids, skip_special_tokens=True)
+                    r = self.reward_fn(text, str(gt), str(src))
+                    sums += torch.tensor([r, float(r >= 1.0), 1.0], dtype=torch.float64)
+            self.engine.sleep()
+        dist.all_reduce(sums)
+        count = max(sums[2].item(), 1.0)
+        return {"eval/reward_mean": sums[0].item() / count, "eval/accuracy": sums[1].item() / count}
+
+    def _push(self, row: dict[str, float]) -> None:
+        if self.layout.rank == 0:
+            import ray
+
+            ray.get(self.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
+
+    def _report_final(self, metrics: dict[str, float]) -> None:
+        import ray.train
+
+        with tempfile.TemporaryDirectory() as tmp:
+            export = os.path.join(tmp, "policy_hf")
+            self.policy.save_hf(export)  # collective over the TP group; writes on TP rank 0
+            checkpoint = ray.train.Checkpoint.from_directory(tmp) if self.layout.rank == 0 else None
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _forever(shard, batch_size: int) -> Iterator[dict]:
+    """Batches of `batch_size` prompt rows from a Ray Data stream, epoch after epoch."""
+    while True:
+        empty = True
+        for batch in shard.iter_batches(batch_size=batch_size, drop_last=True, batch_format="numpy"):
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError(
+                f"the prompt stream yielded no full batch of {batch_size} prompts; "
+                "lower train.prompts_per_step or add data"
+            )

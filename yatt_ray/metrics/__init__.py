@@ -1,0 +1,16 @@
+"""Metrics: per-phase timers, sinks (JSONL, TensorBoard) and plots of training curves."""
+
+from yatt_ray.metrics.plot import plot_history
+from yatt_ray.metrics.sinks import JsonlSink, MultiSink, Sink, TensorBoardSink, read_jsonl, validate_metrics
+from yatt_ray.metrics.timers import PhaseTimer
+
+__all__ = [
+    "JsonlSink",
+    "MultiSink",
+    "PhaseTimer",
+    "Sink",
+    "TensorBoardSink",
+    "plot_history",
+    "read_jsonl",
+    "validate_metrics",
+]

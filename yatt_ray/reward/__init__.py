@@ -1,0 +1,5 @@
+"""Rewards: rule functions (in the controller's process) and, later, the GenRM service."""
+
+from yatt_ray.reward.rules import REWARD_FUNCTIONS, exact_match, resolve_reward_fn
+
+__all__ = ["REWARD_FUNCTIONS", "exact_match", "resolve_reward_fn"]

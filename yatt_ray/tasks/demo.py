@@ -1,0 +1,85 @@
+"""The embedded default run: build the tiny model, warm it up briefly, and write the arithmetic task.
+
+The warm-up is a short supervised pass so that RL starts from a policy that is sometimes right (GRPO
+needs groups with differing rewards) but far from solved. Everything lands in a cache folder keyed by
+the demo settings, so repeated runs and tests reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from yatt_ray.config import Config, DemoConfig
+from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
+from yatt_ray.tasks.arithmetic import make_problems, write_parquet
+
+log = logging.getLogger(__name__)
+
+
+def demo_cache_dir(demo: DemoConfig) -> Path:
+    root = Path(os.environ.get("YATT_RAY_CACHE", Path.home() / ".cache" / "yatt_ray"))
+    key = hashlib.sha256(json.dumps(asdict(demo), sort_keys=True).encode()).hexdigest()[:12]
+    return root / f"demo-{key}"
+
+
+def prepare_demo(config: Config) -> Config:
+    """Fill `model.path` and `data.train_files` with the demo's model and data where they are empty."""
+    folder = demo_cache_dir(config.demo)
+    model_dir, train_file, eval_file = folder / "model", folder / "train.parquet", folder / "eval.parquet"
+    if config.model.path == "" and not (model_dir / "config.json").exists():
+        log.info("building the demo model in %s (%d warm-up steps)", model_dir, config.demo.sft_steps)
+        _build_warm_model(model_dir, config.demo)
+    if not config.data.train_files and not train_file.exists():
+        rows = make_problems(config.demo.train_prompts, seed=config.train.seed + 100, max_operand=config.demo.max_operand)
+        write_parquet(rows, train_file)
+    if not config.data.train_files and not config.data.eval_files and not eval_file.exists():
+        rows = make_problems(config.demo.eval_prompts, seed=7, max_operand=config.demo.max_operand, id_offset=10**8)
+        write_parquet(rows, eval_file)
+    if config.model.path == "":
+        config.model.path = str(model_dir)
+    if not config.data.train_files:
+        config.data.train_files = [str(train_file)]
+        config.data.eval_files = config.data.eval_files or [str(eval_file)]
+    return config
+
+
+def _build_warm_model(model_dir: Path, demo: DemoConfig) -> None:
+    """Random tiny Llama -> `demo.sft_steps` AdamW steps of next-token loss on answers -> saved HF dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    build_tiny_model(tmp, TinyModelSpec())
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    rows = make_problems(demo.sft_steps * 64, seed=1, max_operand=demo.max_operand, id_offset=10**9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    model.train()
+    for step in range(demo.sft_steps):
+        input_ids, labels = _sft_batch(tokenizer, rows[step * 64 : (step + 1) * 64])
+        loss = model(input_ids=input_ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(tmp)
+    tmp.rename(model_dir)  # atomic: a half-built model is never reused
+
+
+def _sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [B, T] input ids and labels (-100 on the prompt and padding) for prompt+answer+EOS."""
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    answers = [tokenizer(r["ground_truth"], add_special_tokens=False)["input_ids"] + [EOS_ID] for r in rows]
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full_like(input_ids, -100)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+    return input_ids, labels

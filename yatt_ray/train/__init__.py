@@ -1,0 +1,37 @@
+"""The Megatron-core training backend: HF <-> Megatron conversion, model build, log-probs, the trainer.
+
+Importing this package does not import Megatron; the functions that need it import it when called.
+"""
+
+from yatt_ray.train.cpu_shims import apply_cpu_shims
+from yatt_ray.train.hf_convert import LlamaShape, check_tp_size, hf_to_megatron, megatron_to_hf
+from yatt_ray.train.logprobs import token_logprobs_and_entropy
+from yatt_ray.train.model import (
+    build_gpt_model,
+    init_parallel_state,
+    load_hf_weights,
+    read_hf_state_dict,
+    seed_everything,
+    transformer_config,
+)
+from yatt_ray.train.packing import PackedRows, pack_rows, unpack_next_token_values
+from yatt_ray.train.policy import MegatronPolicy
+
+__all__ = [
+    "LlamaShape",
+    "MegatronPolicy",
+    "PackedRows",
+    "apply_cpu_shims",
+    "build_gpt_model",
+    "check_tp_size",
+    "hf_to_megatron",
+    "init_parallel_state",
+    "load_hf_weights",
+    "megatron_to_hf",
+    "pack_rows",
+    "read_hf_state_dict",
+    "seed_everything",
+    "token_logprobs_and_entropy",
+    "transformer_config",
+    "unpack_next_token_values",
+]

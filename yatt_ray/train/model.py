@@ -1,0 +1,168 @@
+"""Build a Llama-style Megatron-core `GPTModel` and load Hugging Face weights into it.
+
+Order of use inside a training worker (Ray Train or torchrun has already created the default
+torch.distributed process group: gloo on CPU, nccl on GPU):
+
+    init_parallel_state(tp_size)         # Megatron TP / DP groups over the existing default group
+    seed_everything(seed)                # torch + Megatron's tensor-parallel RNG tracker
+    shape = LlamaShape.from_hf_dir(path)
+    model = build_gpt_model(shape)
+    load_hf_weights(model, path, shape)  # this TP rank's shard
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from yatt_ray.errors import ConfigError
+from yatt_ray.train.cpu_shims import apply_cpu_shims
+from yatt_ray.train.hf_convert import LlamaShape, StateDict, check_tp_size, hf_to_megatron
+
+
+def init_parallel_state(tp_size: int) -> None:
+    """Create Megatron's parallel groups (TP = tp_size, DP = world / tp_size) on the default process group.
+
+    Every rank must call it (group creation is collective). Idempotent for the same tp_size; a different
+    tp_size rebuilds the groups. Ranks r*tp .. r*tp+tp-1 form TP group r (Megatron's "tp-cp-ep-dp-pp" order).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        raise ConfigError(
+            "torch.distributed is not initialised; init_parallel_state needs the default process group that "
+            "Ray Train's TorchTrainer (or torchrun + dist.init_process_group) creates. Call it inside a "
+            "training worker."
+        )
+    world = dist.get_world_size()
+    if tp_size < 1 or world % tp_size:
+        raise ConfigError(
+            f"tensor_parallel_size={tp_size} does not divide the world size {world}; choose num_workers as a "
+            "multiple of tensor_parallel_size."
+        )
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() == tp_size:
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch's default generator and Megatron's TP RNG tracker (needs `init_parallel_state` first)."""
+    from megatron.core import tensor_parallel
+
+    apply_cpu_shims()
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(shape: LlamaShape, tp_size: int):
+    """A Megatron `TransformerConfig` for a Llama decoder (fp32, no dropout, no fusions, no bias).
+
+    `calculate_per_token_loss=True` makes Megatron DDP SUM gradients over data-parallel ranks (no 1/dp
+    pre-scaling): the library's losses are already divided by the global normaliser.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    check_tp_size(shape, tp_size)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        rotary_interleaved=False,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is loaded from the checkpoint (strict check in load)
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        calculate_per_token_loss=True,
+    )
+
+
+def build_gpt_model(shape: LlamaShape):
+    """An uninitialised Megatron `GPTModel` (local spec, RMSNorm, SwiGLU, RoPE) for this rank's TP shard.
+
+    On a GPU build it is moved to the current CUDA device. Forward: (input_ids [B,T], position_ids [B,T],
+    attention_mask [B,1,T,T] bool True=masked) -> logits [B, T, V/tp] (vocab-parallel, not gathered).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    apply_cpu_shims()
+    config = transformer_config(shape, ps.get_tensor_model_parallel_world_size())
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),  # default is LayerNorm
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_positions,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+        rotary_percent=1.0,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def read_hf_state_dict(model_dir: str | Path) -> StateDict:
+    """All tensors of a HF directory's `*.safetensors` files (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"no *.safetensors weights in {str(model_dir)!r}; save the model with "
+            "save_pretrained(..., safe_serialization=True)."
+        )
+    sd: StateDict = {}
+    for name in files:
+        sd.update(load_file(str(model_dir / name)))
+    return sd
+
+
+def load_hf_weights(model, model_dir: str | Path, shape: LlamaShape) -> None:
+    """Copy this TP rank's shard of the HF weights in `model_dir` into `model` (every parameter must be set)."""
+    from megatron.core import parallel_state as ps
+
+    shard = hf_to_megatron(
+        read_hf_state_dict(model_dir),
+        shape,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+    )
+    result = model.load_state_dict(shard, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"HF weights in {str(model_dir)!r} do not fit the Megatron model: missing={missing}, "
+            f"unexpected={result.unexpected_keys}; the checkpoint and config.json disagree."
+        )
