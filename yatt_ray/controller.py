@@ -57,13 +57,22 @@ class GroupController:
     def __init__(self, loop_config: dict) -> None:
         from megatron.core import parallel_state
 
-        from yatt_ray.train import MegatronPolicy, apply_cpu_shims, initialize_parallel
+        from yatt_ray.train import MegatronPolicy, apply_cpu_shims
 
         self.config = config = Config.from_dict(loop_config["config"])
         self.hub = loop_config["hub"]
         torch.set_num_threads(max(1, config.cluster.cpus_per_worker))
         apply_cpu_shims()
-        initialize_parallel(tp_size=config.train.tp_size, seed=config.train.seed)
+        t = config.train
+        self.policy = MegatronPolicy(  # also creates Megatron's TP / DP groups on Ray Train's process group
+            config.model.path,
+            tp_size=t.tp_size,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            seed=t.seed,
+            with_reference=config.algo.kl_coef > 0,
+        )
         self.layout = Layout(
             rank=dist.get_rank(),
             dp_rank=parallel_state.get_data_parallel_rank(),
@@ -74,16 +83,6 @@ class GroupController:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_src = parallel_state.get_tensor_model_parallel_src_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
-        t = config.train
-        self.policy = MegatronPolicy(
-            config.model.path,
-            tp_size=t.tp_size,
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip,
-            seed=t.seed,
-            with_reference=config.algo.kl_coef > 0,
-        )
         self.timer = PhaseTimer()
         self.prompts_per_group = t.prompts_per_step // t.dp_size
         if self.layout.is_controller:

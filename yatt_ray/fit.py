@@ -84,15 +84,9 @@ def _prepare_inputs(config: Config) -> None:
 def _check_inputs(config: Config) -> dict[str, list[str]]:
     """Fail before any cluster work on a bad model directory or data files."""
     from yatt_ray.data import check_sources
-    from yatt_ray.train.hf_convert import LlamaShape
+    from yatt_ray.train.hf_convert import LlamaShape, check_tp_size
 
-    shape = LlamaShape.from_hf_dir(config.model.path)
-    tp = config.train.tp_size
-    if shape.num_heads % tp or shape.num_kv_heads % tp or shape.vocab_size % tp:
-        raise ConfigError(
-            f"train.tp_size={tp} must divide the model's attention heads ({shape.num_heads}), key-value heads "
-            f"({shape.num_kv_heads}) and vocabulary ({shape.vocab_size}); choose a divisor"
-        )
+    check_tp_size(LlamaShape.from_hf_dir(config.model.path), config.train.tp_size)
     files = {"train": check_sources(config.data)}
     if config.data.eval_files:
         eval_cfg = type(config.data)(**{**config.data.__dict__, "train_files": config.data.eval_files})

@@ -20,7 +20,9 @@ def test_grpo_hand_computed_unbiased_std():
     torch.testing.assert_close(grpo_advantages(rewards, eps=0.0), expected, rtol=0, atol=1e-15)
     # eps is added to the std: row 1 becomes [1, -1, 0] / (1 + 1e-6)
     out = grpo_advantages(rewards, eps=1e-6)
-    torch.testing.assert_close(out[1], torch.tensor([1.0, -1.0, 0.0], dtype=F64) / (1 + 1e-6), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        out[1], torch.tensor([1.0, -1.0, 0.0], dtype=F64) / (1 + 1e-6), rtol=0, atol=1e-15
+    )
     torch.testing.assert_close(out[0], expected[0] * (1 / s3) / (1 / s3 + 1e-6), rtol=0, atol=1e-15)
 
 

@@ -12,7 +12,9 @@ def test_hand_computed_2x3():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     # masked sum = 1 + 2 + 4 = 7 over 3 tokens -> 7/3; with a global count of 6 tokens -> 7/6
     assert aggregate(per_token, mask, "token-mean").item() == pytest.approx(7 / 3, abs=1e-15)
-    assert aggregate(per_token, mask.bool(), "token-mean", global_tokens=6).item() == pytest.approx(7 / 6, abs=1e-15)
+    assert aggregate(per_token, mask.bool(), "token-mean", global_tokens=6).item() == pytest.approx(
+        7 / 6, abs=1e-15
+    )
     assert LOSS_AGGREGATIONS.get("token-mean") is token_mean
 
 
@@ -82,5 +84,7 @@ def test_micro_batches_and_ranks_sum_to_the_full_batch_value_and_gradient():
 
     # Averaging per-micro-batch means instead (each with its own local count) gives a different value: the
     # convention above is what makes splitting invisible.
-    local_means = [aggregate(_per_token(w, x[rows]), mask[rows], "token-mean").item() for mb in ranks for rows in mb]
+    local_means = [
+        aggregate(_per_token(w, x[rows]), mask[rows], "token-mean").item() for mb in ranks for rows in mb
+    ]
     assert abs(sum(local_means) / len(local_means) - full.item()) > 1e-4  # ~9e-4 with this seed

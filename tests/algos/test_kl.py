@@ -51,7 +51,9 @@ def test_k3_clamps_log_ratio_to_20():
     torch.testing.assert_close(out.detach(), expected, rtol=1e-15, atol=0)
     out.sum().backward()
     # d k3 / d logp = 1 - e^d inside the clamp, 0 outside
-    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 1 - math.e]], dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[0.0, 0.0, 1 - math.e]], dtype=F64), rtol=0, atol=1e-15
+    )
     assert torch.isfinite(kl_estimate(torch.zeros(1, 1), torch.full((1, 1), 1e4), "k3")).all()  # fp32
 
 

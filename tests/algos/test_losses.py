@@ -26,9 +26,13 @@ def test_hand_computed_2x3_with_gradient():
     logp, old = _logp_from_ratios([[1.5, 0.5, 1.1], [1.5, 0.5, 1.1]])
     adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -2.0]], dtype=F64)
     loss, stats = ppo_clip_loss(logp, old, adv)
-    torch.testing.assert_close(loss, torch.tensor([[-1.2, -0.5, -1.1], [1.5, 0.8, 2.2]], dtype=F64), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        loss, torch.tensor([[-1.2, -0.5, -1.1], [1.5, 0.8, 2.2]], dtype=F64), rtol=0, atol=1e-14
+    )
     assert torch.equal(stats["clipped"], torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=F64))
-    torch.testing.assert_close(stats["ratio"], torch.tensor([[1.5, 0.5, 1.1]] * 2, dtype=F64), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        stats["ratio"], torch.tensor([[1.5, 0.5, 1.1]] * 2, dtype=F64), rtol=0, atol=1e-14
+    )
     assert not stats["ratio"].requires_grad and not stats["clipped"].requires_grad
     loss.sum().backward()
     # d loss / d logp = d(-r A)/d logp = -r A where unclipped (dr/dlogp = r), 0 where clipped
@@ -70,7 +74,9 @@ def test_log_ratio_clamp_keeps_loss_finite():
     loss, stats = ppo_clip_loss(logp, old, torch.tensor([[-1.0, -1.0]]))
     assert torch.isfinite(loss).all()
     # ratio = exp(20) for the first token (log-ratio clamped to 20), exp(-20) for the second
-    torch.testing.assert_close(stats["ratio"], torch.tensor([[math.exp(20), math.exp(-20)]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        stats["ratio"], torch.tensor([[math.exp(20), math.exp(-20)]]), rtol=1e-6, atol=0
+    )
 
 
 def test_registered_and_validation():

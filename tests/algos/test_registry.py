@@ -49,7 +49,10 @@ def test_bad_names_rejected(bad):
 def test_unknown_name_lists_valid_names_sorted():
     with pytest.raises(UnknownNameError) as info:
         ADVANTAGE_ESTIMATORS.get("grpoo")
-    assert str(info.value) == "unknown advantage estimator 'grpoo'; valid: grpo, grpo_no_std (did you mean 'grpo'?)"
+    assert (
+        str(info.value)
+        == "unknown advantage estimator 'grpoo'; valid: grpo, grpo_no_std (did you mean 'grpo'?)"
+    )
     assert isinstance(info.value, KeyError) and isinstance(info.value, ConfigError)
     # survives a Ray boundary (pickle) with its message
     again = pickle.loads(pickle.dumps(info.value))

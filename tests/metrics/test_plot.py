@@ -5,6 +5,10 @@ from yatt_ray.metrics import JsonlSink, plot_history, read_jsonl
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def height(png: bytes) -> int:
+    return int.from_bytes(png[20:24], "big")  # the IHDR chunk's height field
+
+
 def _history(n=5):
     return [{"step": i, "reward_mean": i / n, "accuracy": i / (2 * n), "loss": 1.0 - i / n} for i in range(n)]
 
@@ -21,7 +25,6 @@ def test_missing_keys_skipped_and_fewer_subplots(tmp_path):
     history = [{"step": i, "reward_mean": float(i)} for i in range(4)] + [{"step": 4}]
     one = plot_history(history, tmp_path / "one.png").read_bytes()
     two = plot_history(_history(), tmp_path / "two.png").read_bytes()
-    height = lambda png: int.from_bytes(png[20:24], "big")  # noqa: E731  (IHDR height field)
     assert one[:8] == PNG_MAGIC and height(one) < height(two)
 
 

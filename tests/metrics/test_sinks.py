@@ -19,7 +19,12 @@ def test_jsonl_writes_one_object_per_step_and_flushes(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 2
     second = json.loads(lines[1])
-    assert second["step"] == 1 and second["reward_mean"] == 0.5 and second["ok"] == 1 and math.isnan(second["loss"])
+    assert (
+        second["step"] == 1
+        and second["reward_mean"] == 0.5
+        and second["ok"] == 1
+        and math.isnan(second["loss"])
+    )
     assert isinstance(second["reward_mean"], float)
     # append mode: a resumed run continues the file
     with JsonlSink(path) as again:

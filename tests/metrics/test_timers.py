@@ -41,9 +41,12 @@ def test_overlapping_different_phases_each_count_their_time():
 
 def test_reentering_an_open_phase_raises():
     timer = PhaseTimer(clock=FakeClock())
-    with timer.phase("rollout"), pytest.raises(RuntimeError, match="'rollout' is already open"):
-        with timer.phase("rollout"):
-            pass
+    with (
+        timer.phase("rollout"),
+        pytest.raises(RuntimeError, match="'rollout' is already open"),
+        timer.phase("rollout"),
+    ):
+        pass
     with timer.phase("rollout"):  # closed again: usable
         pass
 
@@ -76,6 +79,5 @@ def test_default_clock_measures_real_time():
     with timer.phase("x"):
         pass
     assert 0.0 <= timer.totals()["x"] < 1.0
-    with pytest.raises(ValueError, match="non-empty string"):
-        with timer.phase(""):
-            pass
+    with pytest.raises(ValueError, match="non-empty string"), timer.phase(""):
+        pass

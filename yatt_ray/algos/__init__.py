@@ -1,9 +1,14 @@
 """Pure tensor functions of RL post-training (advantages, policy losses, KL estimators, loss aggregation),
 each registered by name so that a config can pick it.
 
-Importing this package fills the registries; look a function up with e.g. ``ADVANTAGE_ESTIMATORS.get("grpo")``.
+Importing this package fills the registries (each module registers its functions on import); look a
+function up with e.g. ``ADVANTAGE_ESTIMATORS.get("grpo")``.
 """
 
+from yatt_ray.algos.advantages import broadcast_to_tokens, grpo_advantages, grpo_no_std_advantages
+from yatt_ray.algos.aggregation import aggregate, token_mean
+from yatt_ray.algos.kl import kl_estimate, kl_k1, kl_k2, kl_k3
+from yatt_ray.algos.losses import ppo_clip_loss
 from yatt_ray.algos.registry import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
@@ -12,12 +17,6 @@ from yatt_ray.algos.registry import (
     DuplicateNameError,
     Registry,
 )
-
-# The modules below register their functions on import; keep them after the registries.
-from yatt_ray.algos.advantages import broadcast_to_tokens, grpo_advantages, grpo_no_std_advantages
-from yatt_ray.algos.aggregation import aggregate, token_mean
-from yatt_ray.algos.kl import kl_estimate, kl_k1, kl_k2, kl_k3
-from yatt_ray.algos.losses import ppo_clip_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

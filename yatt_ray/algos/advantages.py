@@ -102,4 +102,6 @@ def broadcast_to_tokens(seq_adv: Tensor, response_mask: Tensor) -> Tensor:
             f"got {tuple(response_mask.shape)}"
         )
     expanded = seq_adv.unsqueeze(1).expand(-1, response_mask.shape[1])
-    return torch.where(response_mask.bool(), expanded, torch.zeros((), dtype=seq_adv.dtype, device=seq_adv.device))
+    return torch.where(
+        response_mask.bool(), expanded, torch.zeros((), dtype=seq_adv.dtype, device=seq_adv.device)
+    )

@@ -38,7 +38,9 @@ def _masked(per_token: Tensor, mask: Tensor) -> Tensor:
         )
     # torch.where, not a product, so that inf / NaN at padding positions (e.g. a pad token's log-prob) cannot
     # leak into the loss: 0 * inf would be NaN.
-    return torch.where(mask.bool(), per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    return torch.where(
+        mask.bool(), per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    )
 
 
 @LOSS_AGGREGATIONS.register("token-mean")

@@ -71,7 +71,8 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     small = d.abs() < _K3_SERIES_BELOW
     d_small = torch.where(small, d, torch.zeros_like(d))  # keeps the unused branch of the series finite
     series = d_small.square() * (
-        1 / 2 + d_small * (1 / 6 + d_small * (1 / 24 + d_small * (1 / 120 + d_small * (1 / 720 + d_small / 5040))))
+        1 / 2
+        + d_small * (1 / 6 + d_small * (1 / 24 + d_small * (1 / 120 + d_small * (1 / 720 + d_small / 5040))))
     )
     direct = torch.expm1(d) - d
     return torch.where(small, series, direct).clamp_min(0.0)

@@ -27,7 +27,9 @@ def plot_history(
     the global pyplot backend of a notebook that calls it.
     """
     if not history:
-        raise ValueError(f"history is empty: nothing to plot to {str(out_png)!r}; log at least one step first")
+        raise ValueError(
+            f"history is empty: nothing to plot to {str(out_png)!r}; log at least one step first"
+        )
     present = [k for k in keys if any(rec.get(k) is not None for rec in history)]
     if not present:
         available = sorted({k for rec in history for k in rec} - {"step"})

@@ -107,7 +107,9 @@ class TensorBoardSink(Sink):
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         values = validate_metrics(step, metrics)
         if self._closed:
-            raise RuntimeError(f"TensorBoardSink({str(self.logdir)!r}) is closed; create a new sink to write more")
+            raise RuntimeError(
+                f"TensorBoardSink({str(self.logdir)!r}) is closed; create a new sink to write more"
+            )
         for key, value in values.items():
             self._writer.add_scalar(key, value, global_step=int(step))
         self._writer.flush()

@@ -60,7 +60,9 @@ class LlamaShape:
                 "use a checkpoint without rope scaling."
             )
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ConfigError(f"{source}: attention_bias/mlp_bias=True is not supported; Llama has no biases.")
+            raise ConfigError(
+                f"{source}: attention_bias/mlp_bias=True is not supported; Llama has no biases."
+            )
         heads = int(cfg["num_attention_heads"])
         return cls(
             vocab_size=int(cfg["vocab_size"]),
@@ -151,7 +153,9 @@ def hf_to_megatron(hf_sd: StateDict, shape: LlamaShape, tp_rank: int = 0, tp_siz
     for i in range(shape.num_layers):
         hf, mg = _layer_keys(i)
         attn, mlp = hf + "self_attn.", hf + "mlp."
-        qkv = _fuse_qkv(hf_sd[attn + "q_proj.weight"], hf_sd[attn + "k_proj.weight"], hf_sd[attn + "v_proj.weight"], shape)
+        qkv = _fuse_qkv(
+            hf_sd[attn + "q_proj.weight"], hf_sd[attn + "k_proj.weight"], hf_sd[attn + "v_proj.weight"], shape
+        )
         gate, up = col(hf_sd[mlp + "gate_proj.weight"]), col(hf_sd[mlp + "up_proj.weight"])
         out |= {
             mg + "input_layernorm.weight": hf_sd[hf + "input_layernorm.weight"],

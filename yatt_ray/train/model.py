@@ -23,11 +23,13 @@ from yatt_ray.train.cpu_shims import apply_cpu_shims
 from yatt_ray.train.hf_convert import LlamaShape, StateDict, check_tp_size, hf_to_megatron
 
 
-def init_parallel_state(tp_size: int) -> None:
+def init_parallel_state(tp_size: int, timeout_minutes: float = 30.0) -> None:
     """Create Megatron's parallel groups (TP = tp_size, DP = world / tp_size) on the default process group.
 
     Every rank must call it (group creation is collective). Idempotent for the same tp_size; a different
     tp_size rebuilds the groups. Ranks r*tp .. r*tp+tp-1 form TP group r (Megatron's "tp-cp-ep-dp-pp" order).
+    The new groups use the default group's backend (gloo on CPU) plus Megatron's extra gloo DP groups, and
+    `timeout_minutes` as their collective timeout (the default group's own timeout does not carry over).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -49,7 +51,9 @@ def init_parallel_state(tp_size: int) -> None:
         if ps.get_tensor_model_parallel_world_size() == tp_size:
             return
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size, distributed_timeout_minutes=timeout_minutes
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -89,7 +93,13 @@ def transformer_config(shape: LlamaShape, tp_size: int):
         tensor_model_parallel_size=tp_size,
         sequence_parallel=False,
         use_cpu_initialization=True,
-        perform_initialization=False,  # every weight is loaded from the checkpoint (strict check in load)
+        # Megatron tags TP-split weights (`tensor_model_parallel`, used by grad-norm and checkpointing) only
+        # while initialising them, so initialisation stays on; zeros keep it cheap, since load_hf_weights
+        # overwrites every weight anyway.
+        perform_initialization=True,
+        init_method=torch.nn.init.zeros_,
+        output_layer_init_method=torch.nn.init.zeros_,
+        embedding_init_method=torch.nn.init.zeros_,
         params_dtype=torch.float32,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

@@ -62,7 +62,9 @@ class MegatronPolicy:
         self.model = self._wrap_ddp(self._load_model())
         self.optimizer = self._make_optimizer(lr, weight_decay, betas)
         self.reference = self._load_model().eval().requires_grad_(False) if with_reference else None
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        )
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ---- construction -------------------------------------------------------------------------------------
@@ -93,8 +95,7 @@ class MegatronPolicy:
 
     def _forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """input_ids, attention_mask [B, T] -> (logp, entropy) [B, T-1]; column t predicts token t+1."""
-        device = next(model.parameters()).device
-        packed = pack_rows(input_ids.to(device), attention_mask.to(device))
+        packed = pack_rows(input_ids.to(self.device), attention_mask.to(self.device))
         logits = model(packed.input_ids, packed.position_ids, packed.attention_mask())  # [B, L, V/tp]
         logp, entropy = token_logprobs_and_entropy(logits[:, :-1], packed.input_ids[:, 1:], self.tp_group)
         total = input_ids.shape[1]
@@ -114,7 +115,8 @@ class MegatronPolicy:
         """Per-token log p(input_ids[:, t+1] | input_ids[:, :t+1]) and entropy, each [B, T-1] float32 (CPU).
 
         attention_mask [B, T]: 1 = real token; left or right padding. Columns whose next token is padding are 0.
-        `reference=True` uses the frozen reference model (built with `with_reference=True`).
+        `reference=True` uses the frozen reference model (built with `with_reference=True`). Call `onload()`
+        first if the weights were offloaded.
         """
         if reference and self.reference is None:
             raise RuntimeError("reference log-probs need MegatronPolicy(..., with_reference=True)")
@@ -132,7 +134,7 @@ class MegatronPolicy:
         """One optimizer step over `batch` (rows split into micro-batches; gradients accumulate).
 
         batch: at least input_ids [B, T] and attention_mask [B, T]; every tensor with B rows is sliced per
-        micro-batch, other values are passed whole. loss_fn(logp [b, T-1], entropy [b, T-1], micro_batch)
+        micro-batch (and moved to the model's device), other values are passed whole. loss_fn(logp [b, T-1], entropy [b, T-1], micro_batch)
         -> (loss scalar, metrics {name: float or 0-d tensor}), normalised by the global normaliser.
         Returns {"grad_norm", "lr", **metrics}; metrics are summed over micro-batches and data-parallel
         ranks (so a metric normalised like the loss adds up to its whole-step value).
@@ -142,7 +144,8 @@ class MegatronPolicy:
         totals: dict[str, float] = {}
         for start in range(0, rows, micro_batch_size):
             micro = {
-                k: v[start : start + micro_batch_size] if _has_rows(v, rows) else v for k, v in batch.items()
+                k: v[start : start + micro_batch_size].to(self.device) if _has_rows(v, rows) else v
+                for k, v in batch.items()
             }
             logp, entropy = self._forward(self.model, micro["input_ids"], micro["attention_mask"])
             loss, metrics = loss_fn(logp, entropy, micro)
@@ -240,7 +243,11 @@ class MegatronPolicy:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         for src in self.model_dir.iterdir():
-            if src.is_file() and not src.name.endswith(".safetensors") and "safetensors.index" not in src.name:
+            if (
+                src.is_file()
+                and not src.name.endswith(".safetensors")
+                and "safetensors.index" not in src.name
+            ):
                 shutil.copy2(src, out / src.name)
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
         return out

@@ -1,0 +1,70 @@
+"""Shared fixtures: one local Ray cluster per test session, started the way users start one.
+
+The cluster is a real head node (`ray start --head`, with the job server), so tests can both `ray.init` into
+it and `ray job submit` to it. Logical CPUs are declared above the machine's 2 cores so that two training
+workers, their data tasks and a job driver fit; that is placement, not compute.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> Path:
+    """A per-session cache for the demo model and data (built once, reused by every test)."""
+    path = Path(os.environ.get("YATT_RAY_CACHE", tmp_path_factory.mktemp("yatt_cache")))
+    os.environ["YATT_RAY_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """Start a head node, connect this process to it, and yield its addresses; stop it at the end."""
+    import ray
+
+    gcs_port, dash_port = _free_port(), _free_port()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
+    start = [
+        str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--node-ip-address=127.0.0.1",
+        "--num-cpus=8", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    subprocess.run(start, check=True, env=env, cwd=REPO, capture_output=True, timeout=180)
+    address = f"127.0.0.1:{gcs_port}"
+    ray.init(address=address, log_to_driver=False)
+    _wait_for_dashboard(dash_port)
+    try:
+        yield {"address": address, "dashboard": f"http://127.0.0.1:{dash_port}", "env": env}
+    finally:
+        ray.shutdown()
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def _wait_for_dashboard(port: int, timeout_s: float = 60) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"the Ray dashboard (job server) did not answer on 127.0.0.1:{port} in {timeout_s}s")

@@ -1,0 +1,145 @@
+"""Fixtures for the rollout-engine tests: two tiny models (old / new weights) and a plain transformers reference.
+
+The tiny models use 2 query heads / 1 key-value head at hidden 64, i.e. head size 32: vLLM's CPU attention
+supports head sizes 32, 64, 80, ... only (the library's default tiny spec, head size 16, runs on "hf" only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# In-process vLLM and a kept compile cache (the first log-prob kernel compiles in ~15 s cold, ~3-8 s warm).
+# The engine sets the same defaults itself; setting them here too makes the test environment explicit.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/yatt_ray/inductor"))
+
+from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model  # noqa: E402
+
+ROLLOUT_SPEC = TinyModelSpec(num_heads=2, num_kv_heads=1)  # head size 32
+PROMPTS = [
+    [1, 10, 11, 12],
+    [1, 20, 21],
+    [1, 5, 6, 7, 8, 9, 40, 41],
+    [1] + [10 + (i % 50) for i in range(40)],  # longer than one 32-token KV block
+]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """(old, new): two tiny Llama dirs with different random weights (seeds 0 and 7)."""
+    old = build_tiny_model(tmp_path_factory.mktemp("rollout_old"), ROLLOUT_SPEC)
+    new = build_tiny_model(tmp_path_factory.mktemp("rollout_new"), TinyModelSpec(**{**vars(ROLLOUT_SPEC), "seed": 7}))
+    return old, new
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs):
+    """(old, new) transformers models: the references."""
+    return _load(model_dirs[0]), _load(model_dirs[1])
+
+
+@pytest.fixture(scope="session")
+def eos_heavy_state(hf_models):
+    """The old model's weights with an EOS row in lm_head of norm 10: EOS is likely at most steps."""
+    state = {k: v.clone() for k, v in hf_models[0].state_dict().items()}
+    row = torch.randn(state["lm_head.weight"].shape[1], generator=torch.Generator().manual_seed(0))
+    state["lm_head.weight"][EOS_ID] = row / row.norm() * 10
+    return state
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids=(EOS_ID,)) -> list[int]:
+    """Argmax decoding with full re-computation at every step (no cache, no padding, no generate())."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(token)
+        if token in stop_ids:
+            break
+    return ids[len(prompt) :]
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits (temperature 1) at each generated token, teacher-forced."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def buckets(state: dict[str, torch.Tensor], size: int, seed: int = 0) -> list[list[tuple[str, torch.Tensor]]]:
+    """The state dict in shuffled buckets of `size` tensors, so fused groups (q/k/v, gate/up) get split."""
+    items = list(state.items())
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    shuffled = [items[i] for i in order]
+    return [shuffled[i : i + size] for i in range(0, len(shuffled), size)]
+
+
+LOGPROB_ATOL = 1e-4  # float32 on CPU; observed differences are ~5e-7
+
+
+def check_greedy(engine, model, max_new_tokens: int = 12, prompts=PROMPTS):
+    """Greedy output of `engine` == the reference loop over `model`, token for token, with log-probs within
+    LOGPROB_ATOL of the teacher-forced reference; returns the completions."""
+    from yatt_ray.rollout import SamplingSpec
+
+    outs = engine.generate(prompts, SamplingSpec(n=1, max_new_tokens=max_new_tokens, temperature=0.0))
+    assert len(outs) == len(prompts)
+    for prompt, group in zip(prompts, outs):
+        (completion,) = group
+        assert completion.token_ids == reference_greedy(model, prompt, max_new_tokens)
+        assert len(completion.logprobs) == len(completion.token_ids)
+        expected = reference_logprobs(model, prompt, completion.token_ids)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
+        stopped = completion.token_ids[-1] == EOS_ID
+        assert completion.finish_reason == ("stop" if stopped else "length")
+    return outs
+
+
+def check_stops(outs, n: int, max_new_tokens: int, stop_ids) -> tuple[int, int]:
+    """Shape and stop invariants of sampled output; returns (#stop, #length)."""
+    counts = {"stop": 0, "length": 0}
+    for group in outs:
+        assert len(group) == n
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) >= 1
+            assert all(lp <= 0.0 for lp in c.logprobs)
+            assert not any(t in stop_ids for t in c.token_ids[:-1]), "a stop token inside a completion"
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] in stop_ids
+            else:
+                assert c.finish_reason == "length" and len(c.token_ids) == max_new_tokens
+                assert c.token_ids[-1] not in stop_ids
+            counts[c.finish_reason] += 1
+    return counts["stop"], counts["length"]
+
+
+def token_ids(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in group] for group in outs]
+
+
+@pytest.fixture(scope="session")
+def ref():
+    """The reference helpers, as a fixture (test modules do not import conftest)."""
+
+    class Ref:
+        greedy = staticmethod(reference_greedy)
+        logprobs = staticmethod(reference_logprobs)
+        buckets = staticmethod(buckets)
+        check_greedy = staticmethod(check_greedy)
+        check_stops = staticmethod(check_stops)
+        token_ids = staticmethod(token_ids)
+        prompts = PROMPTS
+
+    return Ref

