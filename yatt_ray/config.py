@@ -116,7 +116,7 @@ class OutputConfig:
 class DemoConfig:
     """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
 
-    sft_steps: int = 100
+    sft_steps: int = 250
     max_operand: int = 19
     train_prompts: int = 4096
     eval_prompts: int = 128

@@ -207,6 +207,8 @@ class GroupController:
         for bucket in self.policy.iter_hf_buckets(bucket_bytes):
             if self.layout.is_controller:
                 self.engine.load_weights(bucket)
+        if self.layout.is_controller:
+            self.engine.finish_weight_sync()
 
     # ---- evaluation and reporting -------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

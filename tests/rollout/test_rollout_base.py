@@ -38,7 +38,13 @@ def test_sampling_spec_rejects_bad_values(kwargs, needle):
 
 def test_sampling_spec_defaults_and_greedy():
     spec = SamplingSpec(n=4, max_new_tokens=16)
-    assert (spec.temperature, spec.top_p, spec.top_k, spec.seed, spec.stop_token_ids) == (1.0, 1.0, -1, None, ())
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.seed, spec.stop_token_ids) == (
+        1.0,
+        1.0,
+        -1,
+        None,
+        (),
+    )
     assert not spec.greedy and SamplingSpec(n=1, max_new_tokens=1, temperature=0).greedy
     with pytest.raises(AttributeError):
         spec.n = 3  # frozen
@@ -49,7 +55,9 @@ def test_validate_prompts_names_the_bad_prompt():
     validate_prompts([[1, 5], [1]], spec, max_model_len=16, vocab_size=128)
     with pytest.raises(ConfigError, match="prompt 1 is empty"):
         validate_prompts([[1], []], spec, 16, 128)
-    with pytest.raises(ConfigError, match=r"prompt 0 has 9 tokens \+ max_new_tokens=8 = 17, over .*max_model_len=16"):
+    with pytest.raises(
+        ConfigError, match=r"prompt 0 has 9 tokens \+ max_new_tokens=8 = 17, over .*max_model_len=16"
+    ):
         validate_prompts([[1] * 9], spec, 16, 128)
     with pytest.raises(ConfigError, match=r"prompt 0 holds token ids outside \[0, 128\): \[128\]"):
         validate_prompts([[1, 128]], spec, 16, 128)
@@ -93,7 +101,9 @@ def test_read_eos_token_ids(model_dirs, tmp_path):
 
 
 def test_make_engine_unknown_kind_lists_the_valid_ones(model_dirs):
-    with pytest.raises(UnknownNameError, match="unknown rollout engine kind 'vlm'; valid kinds: vllm, hf, auto"):
+    with pytest.raises(
+        UnknownNameError, match="unknown rollout engine kind 'vlm'; valid kinds: vllm, hf, auto"
+    ):
         make_engine("vlm", model_dirs[0])
 
 

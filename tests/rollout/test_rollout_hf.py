@@ -46,11 +46,15 @@ def test_sampling_shapes_seeds_and_stops(engine, ref, eos_heavy_state, old_weigh
     assert torch.equal(torch.get_rng_state(), before), "generate moved the global torch RNG"
     stops, lengths = ref.check_stops(first, n=4, max_new_tokens=4, stop_ids={EOS_ID})
     assert stops > 0 and lengths > 0, (stops, lengths)
-    assert ref.token_ids(engine.generate(ref.prompts, spec)) == ref.token_ids(first)  # same seed, same samples
+    assert ref.token_ids(engine.generate(ref.prompts, spec)) == ref.token_ids(
+        first
+    )  # same seed, same samples
     other = engine.generate(ref.prompts, SamplingSpec(n=4, max_new_tokens=4, seed=12))
     assert ref.token_ids(other) != ref.token_ids(first)
     unseeded = SamplingSpec(n=4, max_new_tokens=4)
-    assert ref.token_ids(engine.generate(ref.prompts, unseeded)) != ref.token_ids(engine.generate(ref.prompts, unseeded))
+    assert ref.token_ids(engine.generate(ref.prompts, unseeded)) != ref.token_ids(
+        engine.generate(ref.prompts, unseeded)
+    )
 
 
 def test_stop_token_ids_end_completions(engine, ref, old_weights):
@@ -101,3 +105,28 @@ def test_closed_engine_refuses_work(model_dirs):
     engine.close()  # idempotent
     with pytest.raises(YattError, match="after close"):
         engine.generate([[1]], SamplingSpec(n=1, max_new_tokens=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_matches_reference_and_sleep_frees_the_device(model_dirs, hf_models, ref):
+    engine = HFEngine(model_dirs[0], device="cuda")
+    try:
+        ref.check_greedy(engine, hf_models[0])  # reference on the CPU, engine on the GPU
+        spec = SamplingSpec(n=2, max_new_tokens=8, seed=4)
+        before = engine.generate(ref.prompts, spec)
+        cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+        engine.generate(ref.prompts, SamplingSpec(n=2, max_new_tokens=8))
+        assert torch.equal(torch.get_rng_state(), cpu_rng) and torch.equal(
+            torch.cuda.get_rng_state(), cuda_rng
+        )
+        allocated = torch.cuda.memory_allocated()
+        engine.sleep()
+        assert torch.cuda.memory_allocated() < allocated
+        engine.wake()
+        assert ref.token_ids(engine.generate(ref.prompts, spec)) == ref.token_ids(before)
+        for bucket in ref.buckets(hf_models[1].state_dict(), size=3):
+            engine.load_weights(bucket)  # CPU tensors into a CUDA model
+        ref.check_greedy(engine, hf_models[1])
+    finally:
+        engine.close()

@@ -72,11 +72,13 @@ def test_sampling_shapes_seeds_and_stops(engine, ref, eos_heavy_state, old_weigh
     stops, lengths = ref.check_stops(first, n=4, max_new_tokens=4, stop_ids={EOS_ID})
     assert stops > 0 and lengths > 0, (stops, lengths)
     assert ref.token_ids(engine.generate(ref.prompts, spec)) == ref.token_ids(first)
-    assert ref.token_ids(engine.generate(ref.prompts, SamplingSpec(n=4, max_new_tokens=4, seed=12))) != ref.token_ids(
-        first
-    )
+    assert ref.token_ids(
+        engine.generate(ref.prompts, SamplingSpec(n=4, max_new_tokens=4, seed=12))
+    ) != ref.token_ids(first)
     unseeded = SamplingSpec(n=4, max_new_tokens=4)
-    assert ref.token_ids(engine.generate(ref.prompts, unseeded)) != ref.token_ids(engine.generate(ref.prompts, unseeded))
+    assert ref.token_ids(engine.generate(ref.prompts, unseeded)) != ref.token_ids(
+        engine.generate(ref.prompts, unseeded)
+    )
 
 
 def test_seeded_prompts_do_not_share_noise(engine, ref, old_weights):
@@ -155,8 +157,20 @@ def test_one_engine_per_process(engine, model_dirs):
 
 
 def test_unsupported_head_size_is_a_clear_error(tmp_path):
-    default = build_tiny_model(tmp_path / "head16", TinyModelSpec())  # hidden 64 / 4 heads = head size 16
-    reason = cpu_unsupported_reason(str(default))
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=192, num_heads=4, num_kv_heads=2)  # head size 16
+    head16 = build_tiny_model(tmp_path / "head16", spec)
+    reason = cpu_unsupported_reason(str(head16))
     assert reason is not None and "head size 16 is not one of [32, 64" in reason
     with pytest.raises(ConfigError, match="head size 16"):
-        VLLMEngine(default)
+        VLLMEngine(head16)
+    auto = make_engine("auto", head16, kv_cache_gb=KV_GB)  # falls back to the HF engine, with a warning
+    try:
+        assert isinstance(auto, HFEngine)
+    finally:
+        auto.close()
+
+
+def test_auto_picks_vllm_for_a_supported_model(model_dirs):
+    from yatt_ray.rollout import _auto_kind
+
+    assert _auto_kind(str(model_dirs[0])) == "vllm"

@@ -25,9 +25,9 @@ def test_round_trip_is_bit_exact(tiny_model_dir, tp_size):
         assert torch.equal(back[k], v), k
     # each rank holds 1/tp of every split weight
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
-    assert shards[0][qkv].shape == ((4 + 2 * 2) * 16 // tp_size, 64)
-    assert shards[0]["decoder.layers.0.mlp.linear_fc2.weight"].shape == (64, 192 // tp_size)
-    assert shards[0]["output_layer.weight"].shape == (128 // tp_size, 64)
+    assert shards[0][qkv].shape == ((4 + 2 * 2) * 32 // tp_size, 128)
+    assert shards[0]["decoder.layers.0.mlp.linear_fc2.weight"].shape == (128, 384 // tp_size)
+    assert shards[0]["output_layer.weight"].shape == (128 // tp_size, 128)
 
 
 def test_round_trip_tied_embeddings():
@@ -55,8 +55,8 @@ def test_fused_layouts_per_query_group():
 
 def test_shape_from_tiny_config(tiny_model_dir):
     shape = LlamaShape.from_hf_dir(tiny_model_dir)
-    assert (shape.vocab_size, shape.hidden_size, shape.ffn_hidden_size, shape.num_layers) == (128, 64, 192, 2)
-    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (4, 2, 16)
+    assert (shape.vocab_size, shape.hidden_size, shape.ffn_hidden_size, shape.num_layers) == (128, 128, 384, 2)
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (4, 2, 32)
     assert shape.rope_theta == 10000.0 and shape.rms_norm_eps == 1e-6 and not shape.tie_word_embeddings
 
 

