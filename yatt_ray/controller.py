@@ -48,6 +48,7 @@ class Layout:
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point: build the group's roles, run the steps, report the final checkpoint."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
     GroupController(loop_config).run()
 
 
@@ -152,7 +153,9 @@ class GroupController:
                 train_stats = self.policy.train_step(local.batch, loss_fn, mb)
         with timer.phase("weight_sync"):
             self.sync_weights()
-        times = {**timer.totals(), "step": time.perf_counter() - start}
+        times = timer.totals()
+        wall = time.perf_counter() - start
+        times.update(step=wall, other=max(wall - sum(times.values()), 0.0))
         return reduce_metrics(step, local, train_stats, times, self.layout.is_controller)
 
     def _rollout(self) -> StepInputs:

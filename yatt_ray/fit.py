@@ -111,6 +111,7 @@ def _connect(config: Config) -> None:
 
 def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
     import ray
+    import ray.data
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -119,6 +120,7 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
     from yatt_ray.metrics.hub import MetricsHub
 
     output_dir = _output_dir(config)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
     dp = plan.dp_size
     train_shards = build_dataset(config.data, files["train"]).streaming_split(dp, equal=True)
     eval_shards = None

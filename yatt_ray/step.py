@@ -91,8 +91,8 @@ def reduce_metrics(
 ) -> dict[str, float]:
     """All-reduce the step's statistics over every worker: sums over controllers, max of times.
 
-    `times` holds each phase's seconds and "step", the step's wall time on this worker. The share of the
-    step outside the phases is reported as "time/other" (orchestration: batching, collectives, bookkeeping).
+    `times` holds each phase's seconds, "step" (the step's wall time on this worker) and "other" (the part of
+    the step outside every phase: batching, broadcasts, bookkeeping).
     Every rank must call it. Non-controller ranks hold copies of their group's batch and add zeros.
     """
     sums = local_sums(inputs) if is_controller else torch.zeros(len(_SUMS), dtype=torch.float64)
@@ -115,6 +115,5 @@ def reduce_metrics(
         "time/step": step_time,
     }
     metrics.update({f"time/{k}": v for k, v in maxima.items()})
-    metrics["time/other"] = max(step_time - sum(maxima.values()), 0.0)
     metrics.update(train_stats)
     return metrics
