@@ -30,8 +30,11 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    config = yatt_ray.load_config(args.config, args.overrides)
-    result = yatt_ray.fit(config)
+    try:
+        config = yatt_ray.load_config(args.config, args.overrides)
+        result = yatt_ray.fit(config)
+    except yatt_ray.YattError as exc:  # bad input: the message names the value and the fix
+        raise SystemExit(f"error: {exc}") from None
 
     print(f"final checkpoint (Hugging Face format): {result.checkpoint_path}")
 

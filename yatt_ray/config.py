@@ -203,6 +203,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return [_coerce(args[0], v, key) for v in items]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is str and isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
@@ -237,6 +242,12 @@ def validate(config: Config) -> None:
     need(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0")
     need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
     need(r.engine in ("auto", "vllm", "hf"), f"rollout.engine={r.engine!r} is unknown; valid: auto, hf, vllm")
+    need(
+        not (r.engine == "vllm" and t.tp_size > 1),
+        f"rollout.engine='vllm' with train.tp_size={t.tp_size}: the colocated vLLM engine needs tp_size=1 for now "
+        "(vLLM creates its process groups over all training ranks); use rollout.engine=auto (Hugging Face "
+        "generate on the controller) or train.tp_size=1",
+    )
     need(a.name == "grpo", f"algo.name={a.name!r} is unknown; valid: grpo")
     need(a.clip_low > 0 and a.clip_high > 0, f"algo.clip_low={a.clip_low}, algo.clip_high={a.clip_high} must be > 0")
     need(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL term)")

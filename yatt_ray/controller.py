@@ -99,7 +99,7 @@ class GroupController:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.reward_fn = resolve_reward_fn(cfg.reward.function)
         self.engine = make_engine(
-            cfg.rollout.engine,
+            rollout_engine_kind(cfg),
             cfg.model.path,
             seed=cfg.train.seed + dp,
             kv_cache_gb=cfg.rollout.kv_cache_gb,
@@ -249,6 +249,15 @@ class GroupController:
             self.policy.save_hf(export)  # collective over the TP group; writes on TP rank 0
             checkpoint = ray.train.Checkpoint.from_directory(tmp) if self.layout.rank == 0 else None
             ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def rollout_engine_kind(config: Config) -> str:
+    """The engine kind for this run. With tensor parallelism only the controller rank hosts an engine, and
+    vLLM builds its process groups collectively over every rank of the trainer's world, so the colocated
+    engine is the Hugging Face one there (config validation rejects an explicit "vllm" with tp_size > 1)."""
+    if config.train.tp_size > 1 and config.rollout.engine == "auto":
+        return "hf"
+    return config.rollout.engine
 
 
 def _forever(shard, batch_size: int) -> Iterator[dict]:

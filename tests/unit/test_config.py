@@ -9,10 +9,11 @@ EXAMPLE = "examples/configs/grpo.yaml"
 
 
 def test_yaml_and_overrides_are_typed():
-    cfg = load_config(EXAMPLE, ["train.steps=3", "algo.kl_coef=0", "data.train_files=[a.parquet, b.parquet]"])
+    cfg = load_config(EXAMPLE, ["train.steps=3", "algo.kl_coef=0", "train.lr=1e-4", "data.train_files=[a.parquet, b.parquet]"])
     assert cfg.train.steps == 3
     assert cfg.algo.kl_coef == 0.0 and isinstance(cfg.algo.kl_coef, float)
     assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.train.lr == 1e-4
     assert cfg.rollout.n == 8  # from the YAML, not the dataclass default
     assert cfg.cluster.address is None
 
@@ -35,11 +36,13 @@ def test_round_trip_through_dict():
         ("train.stepz=3", "unknown config key(s) ['train.stepz']"),
         ("reward.function=no_such_module:fn", "reward.function='no_such_module:fn' cannot be imported"),
         ("steps", "is not of the form key.sub=value"),
+        ("train.lr=fast", "train.lr='fast' must be of type float"),
+        ("rollout.engine=vllm train.tp_size=2", "the colocated vLLM engine needs tp_size=1"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(override, fragment):
     with pytest.raises(ConfigError) as info:
-        load_config(EXAMPLE, [override])
+        load_config(EXAMPLE, override.split(" "))
     assert fragment in str(info.value)
 
 
