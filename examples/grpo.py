@@ -24,7 +24,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo.yaml"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
     args = parser.parse_args()

@@ -35,8 +35,10 @@ def main(overrides: list[str]) -> None:
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key.startswith("time/")}
     step = med["time/step"]
     overhead = step - sum(med[f"time/{p}"] for p in COMPUTE)
-    print(f"\nbench_step: {len(rows)} measured steps (dp={config.train.dp_size}, tp={config.train.tp_size}, "
-          f"{config.train.prompts_per_step} prompts x {config.rollout.n} samples)")
+    print(
+        f"\nbench_step: {len(rows)} measured steps (dp={config.train.dp_size}, tp={config.train.tp_size}, "
+        f"{config.train.prompts_per_step} prompts x {config.rollout.n} samples)"
+    )
     print(f"  median step time       {step:8.3f} s")
     for phase in (*COMPUTE, "weight_sync", "other"):
         value = med.get(f"time/{phase}", 0.0)

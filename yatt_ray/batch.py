@@ -17,10 +17,14 @@ import torch
 from yatt_ray.models.tiny import PAD_ID
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_id: int = PAD_ID):
+def pack(
+    prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_id: int = PAD_ID
+):
     """Padded tensors (dict, see module docstring) and the prompt width P."""
     if not (len(prompts) == len(responses) == len(logprobs)):
-        raise ValueError(f"pack: {len(prompts)} prompts, {len(responses)} responses, {len(logprobs)} logprob lists")
+        raise ValueError(
+            f"pack: {len(prompts)} prompts, {len(responses)} responses, {len(logprobs)} logprob lists"
+        )
     n = len(prompts)
     width_p = max(len(p) for p in prompts)
     width_r = max(1, max(len(r) for r in responses))

@@ -148,10 +148,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file (see examples/configs/)")
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; pass an existing YAML file (see examples/configs/)"
+            )
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+            raise ConfigError(
+                f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}"
+            )
     for item in overrides or []:
         _apply_override(data, item)
     config = Config.from_dict(data)
@@ -174,7 +178,9 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {data!r}")
+        raise ConfigError(
+            f"config section {prefix.rstrip('.') or '<root>'!r} must be a mapping, got {data!r}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -190,7 +196,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, key + ".")
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -249,7 +255,10 @@ def validate(config: Config) -> None:
         "generate on the controller) or train.tp_size=1",
     )
     need(a.name == "grpo", f"algo.name={a.name!r} is unknown; valid: grpo")
-    need(a.clip_low > 0 and a.clip_high > 0, f"algo.clip_low={a.clip_low}, algo.clip_high={a.clip_high} must be > 0")
+    need(
+        a.clip_low > 0 and a.clip_high > 0,
+        f"algo.clip_low={a.clip_low}, algo.clip_high={a.clip_high} must be > 0",
+    )
     need(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL term)")
     need(a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
     for key, value, registry in (
@@ -265,7 +274,10 @@ def validate(config: Config) -> None:
         resolve_reward_fn(config.reward.function)
     except ConfigError as exc:
         errors.append(str(exc))
-    need(config.cluster.cpus_per_worker >= 1, f"cluster.cpus_per_worker={config.cluster.cpus_per_worker} must be >= 1")
+    need(
+        config.cluster.cpus_per_worker >= 1,
+        f"cluster.cpus_per_worker={config.cluster.cpus_per_worker} must be >= 1",
+    )
     need(config.cluster.timeout_s > 0, f"cluster.timeout_s={config.cluster.timeout_s} must be > 0")
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

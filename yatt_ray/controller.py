@@ -26,7 +26,7 @@ from yatt_ray.batch import pack
 from yatt_ray.config import Config
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.rollout.base import SamplingSpec
-from yatt_ray.step import StepInputs, grpo_loss_fn, group_advantages, reduce_metrics
+from yatt_ray.step import StepInputs, group_advantages, grpo_loss_fn, reduce_metrics
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class GroupController:
         with timer.phase("reward"):
             if local is not None:
                 local.rewards = torch.tensor(
-                    [self.reward_fn(text, gt, src) for text, gt, src in local.scoring_inputs()], dtype=torch.float32
+                    [self.reward_fn(text, gt, src) for text, gt, src in local.scoring_inputs()],
+                    dtype=torch.float32,
                 )
         local = self._broadcast_in_group(local)
         with timer.phase("logprobs"):
@@ -221,7 +222,10 @@ class GroupController:
         sums = torch.zeros(3, dtype=torch.float64)  # reward sum, correct count, sample count
         if self.layout.is_controller and self.eval_shard is not None:
             spec = SamplingSpec(
-                n=1, max_new_tokens=self.config.rollout.max_new_tokens, temperature=0.0, stop_token_ids=self.stop_ids
+                n=1,
+                max_new_tokens=self.config.rollout.max_new_tokens,
+                temperature=0.0,
+                stop_token_ids=self.stop_ids,
             )
             self.engine.wake()
             for rows in self.eval_shard.iter_batches(batch_size=256, batch_format="numpy"):

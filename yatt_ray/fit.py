@@ -117,7 +117,7 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
 
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
-    from yatt_ray.metrics.hub import MetricsHub
+    from yatt_ray.metrics.hub import start_hub
 
     output_dir = _output_dir(config)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
@@ -127,7 +127,7 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
     if "eval" in files:
         eval_data = type(config.data)(**{**config.data.__dict__, "shuffle_seed": None})
         eval_shards = build_dataset(eval_data, files["eval"]).streaming_split(dp, equal=True)
-    hub = MetricsHub.remote()
+    hub = start_hub()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={

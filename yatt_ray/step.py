@@ -59,7 +59,9 @@ def grpo_loss_fn(algo: AlgoConfig, prompt_width: int, global_tokens: float):
             per_token = per_token + algo.kl_coef * kl
             share["kl"] = kl.detach()
         loss = aggregate(per_token, mask, algo.loss_agg, global_tokens=global_tokens)
-        metrics = {k: float(aggregate(v, mask, "token-mean", global_tokens=global_tokens)) for k, v in share.items()}
+        metrics = {
+            k: float(aggregate(v, mask, "token-mean", global_tokens=global_tokens)) for k, v in share.items()
+        }
         return loss, metrics
 
     return loss_fn

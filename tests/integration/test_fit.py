@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -69,7 +70,7 @@ def test_history_has_every_step_and_metric(run):
     steps = [row for row in result.history if "reward_mean" in row]
     assert [int(r["step"]) for r in steps] == [1, 2, 3]
     for row in steps:
-        assert STEP_KEYS <= set(row), STEP_KEYS - set(row)
+        assert set(row) >= STEP_KEYS, STEP_KEYS - set(row)
         assert 0.0 <= row["accuracy"] <= 1.0 and row["response_length"] > 0
         assert row["time/step"] >= row["time/rollout"] > 0
     eval_rows = [row for row in result.history if "eval/accuracy" in row]
@@ -87,9 +88,9 @@ def test_engine_and_trainer_agree_each_step(run):
 def test_outputs_written(run):
     result, _ = run
     out = result.output_dir
-    lines = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == len(result.history)
-    png = open(f"{out}/reward.png", "rb").read()
+    png = Path(out, "reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     import glob
 

@@ -55,7 +55,12 @@ def test_fused_layouts_per_query_group():
 
 def test_shape_from_tiny_config(tiny_model_dir):
     shape = LlamaShape.from_hf_dir(tiny_model_dir)
-    assert (shape.vocab_size, shape.hidden_size, shape.ffn_hidden_size, shape.num_layers) == (128, 128, 384, 2)
+    assert (shape.vocab_size, shape.hidden_size, shape.ffn_hidden_size, shape.num_layers) == (
+        128,
+        128,
+        384,
+        2,
+    )
     assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (4, 2, 32)
     assert shape.rope_theta == 10000.0 and shape.rms_norm_eps == 1e-6 and not shape.tie_word_embeddings
 

@@ -42,7 +42,9 @@ def test_loss_shares_sum_to_full_batch_loss():
     }
     fn = grpo_loss_fn(cfg.algo, width_p, float(mask.sum()))
     full, full_metrics = fn(logp, entropy, mb)
-    halves = [fn(logp[i : i + 2], entropy[i : i + 2], {k: v[i : i + 2] for k, v in mb.items()}) for i in (0, 2)]
+    halves = [
+        fn(logp[i : i + 2], entropy[i : i + 2], {k: v[i : i + 2] for k, v in mb.items()}) for i in (0, 2)
+    ]
     torch.testing.assert_close(halves[0][0] + halves[1][0], full)
     for key in ("pg_loss", "kl", "entropy", "clipfrac"):
         assert abs(halves[0][1][key] + halves[1][1][key] - full_metrics[key]) < 1e-6

@@ -9,7 +9,10 @@ EXAMPLE = "examples/configs/grpo.yaml"
 
 
 def test_yaml_and_overrides_are_typed():
-    cfg = load_config(EXAMPLE, ["train.steps=3", "algo.kl_coef=0", "train.lr=1e-4", "data.train_files=[a.parquet, b.parquet]"])
+    cfg = load_config(
+        EXAMPLE,
+        ["train.steps=3", "algo.kl_coef=0", "train.lr=1e-4", "data.train_files=[a.parquet, b.parquet]"],
+    )
     assert cfg.train.steps == 3
     assert cfg.algo.kl_coef == 0.0 and isinstance(cfg.algo.kl_coef, float)
     assert cfg.data.train_files == ["a.parquet", "b.parquet"]

@@ -21,7 +21,9 @@ _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 def check_sources(data: DataConfig) -> list[str]:
     """Expanded file list for `data.train_files`; raises DataError naming the file, column and fix."""
     if not data.train_files:
-        raise DataError("data.train_files is empty; give parquet or jsonl files, e.g. data.train_files=[data/train.parquet]")
+        raise DataError(
+            "data.train_files is empty; give parquet or jsonl files, e.g. data.train_files=[data/train.parquet]"
+        )
     files: list[str] = []
     for pattern in data.train_files:
         fs, _, paths = fsspec.get_fs_token_paths(pattern)
@@ -71,7 +73,12 @@ def build_dataset(data: DataConfig, files: list[str]):
     import ray.data
 
     reader = ray.data.read_parquet if _format(files[0]) == "parquet" else ray.data.read_json
-    keys = {"id": data.id_key, "prompt": data.prompt_key, "ground_truth": data.answer_key, "data_source": data.source_key}
+    keys = {
+        "id": data.id_key,
+        "prompt": data.prompt_key,
+        "ground_truth": data.answer_key,
+        "data_source": data.source_key,
+    }
     defaults = {"id": -1, "data_source": "default"}
 
     def to_canonical(batch: dict) -> dict:

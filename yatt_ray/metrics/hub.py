@@ -6,10 +6,14 @@ sinks. Rows with anything but numbers are refused, so samples can never reach th
 
 from __future__ import annotations
 
-import math
 import numbers
 
-import ray
+
+def start_hub():
+    """The hub as a Ray actor (no CPU reserved: it only stores a few numbers per step)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(MetricsHub).remote()
 
 
 def check_scalars(row: dict) -> dict[str, float]:
@@ -17,12 +21,13 @@ def check_scalars(row: dict) -> dict[str, float]:
     out = {}
     for key, value in row.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"metric {key!r} is a {type(value).__name__}; only scalar numbers may reach the driver")
-        out[str(key)] = float(value) if not math.isnan(float(value)) else float("nan")
+            raise TypeError(
+                f"metric {key!r} is a {type(value).__name__}; only scalar numbers may reach the driver"
+            )
+        out[str(key)] = float(value)
     return out
 
 
-@ray.remote(num_cpus=0)
 class MetricsHub:
     """Append-only list of metric rows; `rows_since(i)` returns rows i, i+1, ..."""
 

@@ -28,7 +28,9 @@ class TinyModelSpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     max_positions: int = 128
-    vocab_size: int = 128  # >= len(SPECIAL_TOKENS) + len(CHARACTERS); a multiple of 8 so TP up to 8 divides it
+    vocab_size: int = (
+        128  # >= len(SPECIAL_TOKENS) + len(CHARACTERS); a multiple of 8 so TP up to 8 divides it
+    )
     tie_word_embeddings: bool = False
     seed: int = 0
 
@@ -62,7 +64,9 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     spec = spec or TinyModelSpec()
     needed = len(SPECIAL_TOKENS) + len(CHARACTERS)
     if spec.vocab_size < needed:
-        raise ValueError(f"TinyModelSpec.vocab_size={spec.vocab_size} is below the {needed} tokens of the tokenizer")
+        raise ValueError(
+            f"TinyModelSpec.vocab_size={spec.vocab_size} is below the {needed} tokens of the tokenizer"
+        )
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

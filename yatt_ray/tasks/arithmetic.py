@@ -18,7 +18,14 @@ def make_problems(count: int, seed: int, max_operand: int = 99, id_offset: int =
     rows = []
     for i in range(count):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"id": id_offset + i, "prompt": f"{a}+{b}=", "ground_truth": str(a + b), "data_source": DATA_SOURCE})
+        rows.append(
+            {
+                "id": id_offset + i,
+                "prompt": f"{a}+{b}=",
+                "ground_truth": str(a + b),
+                "data_source": DATA_SOURCE,
+            }
+        )
     return rows
 
 

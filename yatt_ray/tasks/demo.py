@@ -37,10 +37,14 @@ def prepare_demo(config: Config) -> Config:
         log.info("building the demo model in %s (%d warm-up steps)", model_dir, config.demo.sft_steps)
         _build_warm_model(model_dir, config.demo)
     if not config.data.train_files and not train_file.exists():
-        rows = make_problems(config.demo.train_prompts, seed=config.train.seed + 100, max_operand=config.demo.max_operand)
+        rows = make_problems(
+            config.demo.train_prompts, seed=config.train.seed + 100, max_operand=config.demo.max_operand
+        )
         write_parquet(rows, train_file)
     if not config.data.train_files and not config.data.eval_files and not eval_file.exists():
-        rows = make_problems(config.demo.eval_prompts, seed=7, max_operand=config.demo.max_operand, id_offset=10**8)
+        rows = make_problems(
+            config.demo.eval_prompts, seed=7, max_operand=config.demo.max_operand, id_offset=10**8
+        )
         write_parquet(rows, eval_file)
     if config.model.path == "":
         config.model.path = str(model_dir)
