@@ -35,15 +35,28 @@ def demo_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """Start a head node, connect this process to it, and yield its addresses; stop it at the end."""
+def ray_cluster(tmp_path_factory, demo_cache):
+    """Start a head node, connect this process to it, and yield its addresses; stop it at the end.
+
+    `ray stop --force` at the end stops every Ray instance on the machine: run the suite where no other
+    Ray cluster of yours is running.
+    """
     import ray
 
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+
     gcs_port, dash_port = _free_port(), _free_port()
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
+    # A loopback test cluster: token auth off (ray start turns it on when ~/.ray/auth_token exists, and
+    # a client given an explicit address then fails with InvalidAuthToken).
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "YATT_RAY_CACHE": os.environ["YATT_RAY_CACHE"],
+    }
     start = [
-        str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--node-ip-address=127.0.0.1",
-        "--num-cpus=8", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+        str(BIN / "ray"), "start", "--head", f"--port={gcs_port}",         "--num-cpus=8", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
         "--disable-usage-stats",
     ]  # fmt: skip
     subprocess.run(start, check=True, env=env, cwd=REPO, capture_output=True, timeout=180)

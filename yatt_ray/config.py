@@ -24,7 +24,6 @@ class ModelConfig:
     """The policy. `path` is a Hugging Face directory (Llama architecture); empty builds the demo model."""
 
     path: str = ""
-    dtype: str = "float32"
 
 
 @dataclass
@@ -47,7 +46,7 @@ class RolloutConfig:
 
     engine: str = "auto"  # vllm | hf | auto (vllm when installed)
     n: int = 8
-    max_new_tokens: int = 8
+    max_new_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
     weight_sync_bucket_mb: int = 64
@@ -81,9 +80,9 @@ class AlgoConfig:
 class TrainConfig:
     """Optimisation and parallelism. `prompts_per_step` counts prompts over all data-parallel groups."""
 
-    steps: int = 40
-    prompts_per_step: int = 16
-    micro_batch_size: int = 64
+    steps: int = 80
+    prompts_per_step: int = 32
+    micro_batch_size: int = 128
     lr: float = 5e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -241,6 +240,11 @@ def validate(config: Config) -> None:
         f"train.prompts_per_step={t.prompts_per_step} must be a positive multiple of train.dp_size={t.dp_size} "
         "(each data-parallel group takes the same number of prompts)",
     )
+    need(
+        config.data.max_prompt_tokens >= 1,
+        f"data.max_prompt_tokens={config.data.max_prompt_tokens} must be >= 1",
+    )
+    need(r.kv_cache_gb > 0, f"rollout.kv_cache_gb={r.kv_cache_gb} must be > 0 (GiB)")
     need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     need(t.lr > 0, f"train.lr={t.lr} must be > 0")
     need(r.n >= 1, f"rollout.n={r.n} must be >= 1")
@@ -256,9 +260,10 @@ def validate(config: Config) -> None:
     )
     need(a.name == "grpo", f"algo.name={a.name!r} is unknown; valid: grpo")
     need(
-        a.clip_low > 0 and a.clip_high > 0,
-        f"algo.clip_low={a.clip_low}, algo.clip_high={a.clip_high} must be > 0",
+        0 < a.clip_low < 1,
+        f"algo.clip_low={a.clip_low} must be in (0, 1): the ratio is clipped at 1 - clip_low",
     )
+    need(a.clip_high > 0, f"algo.clip_high={a.clip_high} must be > 0")
     need(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL term)")
     need(a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
     for key, value, registry in (

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from yatt_ray.batch import pack
 from yatt_ray.config import Config
+from yatt_ray.errors import DataError
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.rollout.base import SamplingSpec
 from yatt_ray.step import StepInputs, group_advantages, grpo_loss_fn, reduce_metrics
@@ -99,7 +100,7 @@ class GroupController:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.reward_fn = resolve_reward_fn(cfg.reward.function)
         self.engine = make_engine(
-            rollout_engine_kind(cfg),
+            cfg.rollout.engine,  # resolved to "vllm" or "hf" by the driver
             cfg.model.path,
             seed=cfg.train.seed + dp,
             kv_cache_gb=cfg.rollout.kv_cache_gb,
@@ -113,13 +114,16 @@ class GroupController:
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
-        self._push({"step": 0, **self.evaluate()})
+        first_eval = self.evaluate()
+        if first_eval:
+            self._push({"step": 0, **first_eval})
         last: dict[str, float] = {}
         for step in range(1, cfg.train.steps + 1):
             last = self.step(step)
             self._push(last)
         final_eval = self.evaluate()
-        self._push({"step": cfg.train.steps, **final_eval})
+        if final_eval:
+            self._push({"step": cfg.train.steps, **final_eval})
         self._report_final({**last, **final_eval})
 
     def step(self, step: int) -> dict[str, float]:
@@ -156,13 +160,15 @@ class GroupController:
             self.sync_weights()
         times = timer.totals()
         wall = time.perf_counter() - start
-        times.update(step=wall, other=max(wall - sum(times.values()), 0.0))
+        compute = sum(times[p] for p in ("rollout", "reward", "logprobs", "train"))
+        times.update(step=wall, other=max(wall - sum(times.values()), 0.0), orchestration=wall - compute)
         return reduce_metrics(step, local, train_stats, times, self.layout.is_controller)
 
     def _rollout(self) -> StepInputs:
         cfg = self.config
         rows = next(self.prompt_stream)
-        prompt_ids = [self._encode_prompt(p) for p in rows["prompt"]]
+        encoded = [self.tokenizer(str(p))["input_ids"] for p in rows["prompt"]]
+        prompt_ids = [self._clip_prompt(ids) for ids in encoded]
         spec = SamplingSpec(
             n=cfg.rollout.n,
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -184,10 +190,11 @@ class GroupController:
             sources=[str(s) for s in rows["data_source"] for _ in range(cfg.rollout.n)],
             n=cfg.rollout.n,
             truncated=sum(c.finish_reason == "length" for c in flat),
+            prompts_clipped=sum(len(ids) > self.config.data.max_prompt_tokens for ids in encoded),
         )
 
-    def _encode_prompt(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(str(prompt))["input_ids"]
+    def _clip_prompt(self, ids: list[int]) -> list[int]:
+        """Keep the last `data.max_prompt_tokens` tokens (counted in the `prompts_clipped` metric)."""
         limit = self.config.data.max_prompt_tokens
         return ids[-limit:] if len(ids) > limit else ids
 
@@ -229,7 +236,8 @@ class GroupController:
             )
             self.engine.wake()
             for rows in self.eval_shard.iter_batches(batch_size=256, batch_format="numpy"):
-                outs = self.engine.generate([self._encode_prompt(p) for p in rows["prompt"]], spec)
+                prompts = [self._clip_prompt(self.tokenizer(str(p))["input_ids"]) for p in rows["prompt"]]
+                outs = self.engine.generate(prompts, spec)
                 for group, gt, src in zip(outs, rows["ground_truth"], rows["data_source"]):
                     text = self.tokenizer.decode(group[0].token_ids, skip_special_tokens=True)
                     r = self.reward_fn(text, str(gt), str(src))
@@ -255,15 +263,6 @@ class GroupController:
             ray.train.report(metrics, checkpoint=checkpoint)
 
 
-def rollout_engine_kind(config: Config) -> str:
-    """The engine kind for this run. With tensor parallelism only the controller rank hosts an engine, and
-    vLLM builds its process groups collectively over every rank of the trainer's world, so the colocated
-    engine is the Hugging Face one there (config validation rejects an explicit "vllm" with tp_size > 1)."""
-    if config.train.tp_size > 1 and config.rollout.engine == "auto":
-        return "hf"
-    return config.rollout.engine
-
-
 def _forever(shard, batch_size: int) -> Iterator[dict]:
     """Batches of `batch_size` prompt rows from a Ray Data stream, epoch after epoch."""
     while True:
@@ -272,7 +271,7 @@ def _forever(shard, batch_size: int) -> Iterator[dict]:
             empty = False
             yield batch
         if empty:
-            raise RuntimeError(
-                f"the prompt stream yielded no full batch of {batch_size} prompts; "
+            raise DataError(
+                f"this group's share of the prompt data holds fewer than {batch_size} rows (one step's prompts); "
                 "lower train.prompts_per_step or add data"
             )

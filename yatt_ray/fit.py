@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from yatt_ray.config import Config, load_config, validate
-from yatt_ray.errors import ConfigError, WorkerError
+from yatt_ray.errors import ConfigError, WorkerError, YattError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     from yatt_ray.placement import plan_placement
 
     plan = plan_placement(config, ray.cluster_resources())
-    print(plan.describe(), flush=True)
+    _resolve_engine(config, plan)
+    print(plan.describe() + f"\n  rollout engine: {config.rollout.engine}", flush=True)
     return _run(config, plan, files)
 
 
@@ -75,10 +76,19 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 def _prepare_inputs(config: Config) -> None:
-    if not config.model.path or not config.data.train_files:
+    """The embedded demo when neither a model nor data is given; absolute paths for the workers."""
+    if not config.model.path and not config.data.train_files:
         from yatt_ray.tasks.demo import prepare_demo
 
         prepare_demo(config)
+    elif not config.model.path or not config.data.train_files:
+        missing = "model.path" if not config.model.path else "data.train_files"
+        raise ConfigError(
+            f"{missing} is empty while the other input is set; give both (your model and your data), "
+            "or neither to run the embedded demo"
+        )
+    if "://" not in config.model.path:
+        config.model.path = str(Path(config.model.path).expanduser().resolve())
 
 
 def _check_inputs(config: Config) -> dict[str, list[str]]:
@@ -86,12 +96,36 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     from yatt_ray.data import check_sources
     from yatt_ray.train.hf_convert import LlamaShape, check_tp_size
 
-    check_tp_size(LlamaShape.from_hf_dir(config.model.path), config.train.tp_size)
+    shape = LlamaShape.from_hf_dir(config.model.path)
+    check_tp_size(shape, config.train.tp_size)
+    longest = config.data.max_prompt_tokens + config.rollout.max_new_tokens
+    if longest > shape.max_positions:
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} exceeds the model's "
+            f"max_position_embeddings ({shape.max_positions}); lower one of them"
+        )
     files = {"train": check_sources(config.data)}
     if config.data.eval_files:
-        eval_cfg = type(config.data)(**{**config.data.__dict__, "train_files": config.data.eval_files})
-        files["eval"] = check_sources(eval_cfg)
+        files["eval"] = check_sources(config.data, key="data.eval_files")
     return files
+
+
+def _resolve_engine(config: Config, plan) -> None:
+    """Decide "auto" once, on the driver, so every controller builds the same kind of engine.
+
+    vLLM when installed (on CPU workers: when its CPU attention supports the model's head size), except
+    with tensor parallelism: only the controller rank hosts the engine, and vLLM creates its process
+    groups collectively over every rank of the trainer's world, so the Hugging Face engine serves there.
+    """
+    from yatt_ray.rollout import resolve_engine_kind
+
+    if config.rollout.engine != "auto":
+        return
+    if config.train.tp_size > 1:
+        config.rollout.engine = "hf"
+        log.warning("rollout.engine=auto -> hf: the colocated vLLM engine needs train.tp_size=1")
+        return
+    config.rollout.engine = resolve_engine_kind("auto", config.model.path, on_gpu=bool(plan.gpus_per_worker))
 
 
 def _connect(config: Config) -> None:
@@ -104,9 +138,11 @@ def _connect(config: Config) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
-    # A local cluster: declare enough logical CPUs for the workers plus data tasks, even on a 2-core laptop.
+    # A local cluster: declare enough logical CPUs for the workers plus data tasks, even on a 2-core laptop,
+    # but no more than 4 per core, so an oversized plan fails the placement check instead of thrashing.
+    cores = os.cpu_count() or 1
     needed = config.train.dp_size * config.train.tp_size * config.cluster.cpus_per_worker + 2
-    ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+    ray.init(num_cpus=max(cores, min(needed, 4 * cores)), include_dashboard=False)
 
 
 def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
@@ -136,7 +172,8 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
             "train_shards": train_shards,
             "eval_shards": eval_shards,
         },
-        torch_config=TorchConfig(backend="nccl" if plan.gpus_per_worker else "gloo"),
+        # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors
+        torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if plan.gpus_per_worker else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=plan.num_workers,
             use_gpu=bool(plan.gpus_per_worker),
@@ -150,13 +187,15 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
     thread.start()
-    while thread.is_alive():
+    try:
+        while thread.is_alive():
+            progress.poll()
+            time.sleep(0.5)
         progress.poll()
-        time.sleep(0.5)
-    progress.poll()
-    progress.close()
+    finally:
+        progress.close()  # metrics so far are flushed and plotted even when the run fails
     if "error" in outcome:
-        raise WorkerError(f"training failed: {outcome['error']}") from outcome["error"]
+        raise _worker_error(outcome["error"]) from outcome["error"]
     checkpoint = outcome["result"].checkpoint
     return Result(
         history=progress.history,
@@ -172,7 +211,22 @@ def _fit_into(trainer, outcome: dict) -> None:
         outcome["error"] = exc
 
 
+def _worker_error(exc: BaseException) -> YattError:
+    """The library's own error raised in a worker (bad data, bad config) keeps its type on the driver."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, YattError):
+            return type(seen)(f"{seen} (raised in a training worker)")
+        seen = seen.__cause__ or seen.__context__
+    return WorkerError(f"training failed in a worker: {exc}")
+
+
 def _output_dir(config: Config) -> Path:
-    path = Path(config.output.dir).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
+    """A fresh folder per run under `output.dir` (runs never mix their metrics or checkpoints)."""
+    root = Path(config.output.dir).expanduser().resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, suffix = root / stamp, 1
+    while path.exists():
+        path, suffix = root / f"{stamp}-{suffix}", suffix + 1
+    path.mkdir(parents=True)
     return path

@@ -25,6 +25,7 @@ class StepInputs:
     sources: list[str]
     n: int
     truncated: int = 0
+    prompts_clipped: int = 0
     rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     def scoring_inputs(self):
@@ -67,7 +68,9 @@ def grpo_loss_fn(algo: AlgoConfig, prompt_width: int, global_tokens: float):
     return loss_fn
 
 
-_SUMS = ("reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff")
+_SUMS = (
+    "reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff", "prompts_clipped"
+)  # fmt: skip
 
 
 def local_sums(inputs: StepInputs) -> torch.Tensor:
@@ -84,6 +87,7 @@ def local_sums(inputs: StepInputs) -> torch.Tensor:
         prompt_tokens,
         inputs.truncated,
         diff,
+        inputs.prompts_clipped,
     ]
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
@@ -93,8 +97,9 @@ def reduce_metrics(
 ) -> dict[str, float]:
     """All-reduce the step's statistics over every worker: sums over controllers, max of times.
 
-    `times` holds each phase's seconds, "step" (the step's wall time on this worker) and "other" (the part of
-    the step outside every phase: batching, broadcasts, bookkeeping).
+    `times` holds each phase's seconds, "step" (the step's wall time on this worker), "other" (the part of
+    the step outside every phase: batching, broadcasts, bookkeeping) and "orchestration" (the step less
+    rollout, reward, log-prob and train compute: weight sync plus "other").
     Every rank must call it. Non-controller ranks hold copies of their group's batch and add zeros.
     """
     sums = local_sums(inputs) if is_controller else torch.zeros(len(_SUMS), dtype=torch.float64)
@@ -112,6 +117,7 @@ def reduce_metrics(
         "accuracy": s["correct"] / samples,
         "response_length": s["response_tokens"] / samples,
         "truncated_fraction": s["truncated"] / samples,
+        "prompts_clipped": s["prompts_clipped"],
         "rollout_logp_diff": s["logp_diff"] / tokens,
         "tokens_per_s": (s["response_tokens"] + s["prompt_tokens"]) / max(step_time, 1e-9),
         "time/step": step_time,

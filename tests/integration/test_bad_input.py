@@ -7,23 +7,38 @@ import pyarrow.parquet as pq
 import pytest
 
 import yatt_ray
+from yatt_ray.models.tiny import build_tiny_model
 
 
 def config(tmp_path, *over):
     return yatt_ray.load_config("examples/configs/grpo.yaml", [f"output.dir={tmp_path}/run", *over])
 
 
-def test_missing_model_directory(tmp_path):
+@pytest.fixture(scope="module")
+def good_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": 0, "prompt": "1+2=", "ground_truth": "3"}] * 8), path)
+    return path
+
+
+def test_missing_model_directory(tmp_path, good_data):
     with pytest.raises(yatt_ray.ConfigError, match="does not exist|not found|no config.json") as info:
-        yatt_ray.fit(config(tmp_path, f"model.path={tmp_path}/no_model"))
+        yatt_ray.fit(config(tmp_path, f"model.path={tmp_path}/no_model", f"data.train_files=[{good_data}]"))
     assert "no_model" in str(info.value)
 
 
-def test_parquet_without_prompt_column(tmp_path, demo_cache):
+def test_parquet_without_prompt_column(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([{"question": "1+2=", "ground_truth": "3"}]), bad)
     with pytest.raises(yatt_ray.DataError, match="no column 'prompt'.*data.prompt_key"):
-        yatt_ray.fit(config(tmp_path, f"data.train_files=[{bad}]"))
+        yatt_ray.fit(config(tmp_path, f"model.path={model}", f"data.train_files=[{bad}]"))
+
+
+def test_model_without_data_is_not_silently_the_demo(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    with pytest.raises(yatt_ray.ConfigError, match="data.train_files is empty while the other input is set"):
+        yatt_ray.fit(config(tmp_path, f"model.path={model}"))
 
 
 def test_unknown_algorithm_and_kl(tmp_path):

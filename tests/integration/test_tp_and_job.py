@@ -36,8 +36,9 @@ def test_ray_job_submit_runs_the_example(ray_cluster, demo_cache, tmp_path):
         "python", str(REPO / "examples/grpo.py"), "train.steps=2", "train.prompts_per_step=4", "rollout.n=4",
         "train.dp_size=1", f"output.dir={out}", "output.progress=false",
     ]  # fmt: skip
-    env = {**ray_cluster["env"], "YATT_RAY_CACHE": str(demo_cache)}
+    env = ray_cluster["env"]  # the cluster itself was started with YATT_RAY_CACHE set to the session cache
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0 and "succeeded" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]  # one timestamped folder per run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]

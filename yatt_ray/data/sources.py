@@ -18,17 +18,16 @@ PROMPT_COLUMNS = ("id", "prompt", "ground_truth", "data_source")
 _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
 
-def check_sources(data: DataConfig) -> list[str]:
-    """Expanded file list for `data.train_files`; raises DataError naming the file, column and fix."""
-    if not data.train_files:
-        raise DataError(
-            "data.train_files is empty; give parquet or jsonl files, e.g. data.train_files=[data/train.parquet]"
-        )
+def check_sources(data: DataConfig, key: str = "data.train_files") -> list[str]:
+    """Expanded file list for `key` (data.train_files or data.eval_files); DataError naming file, column, fix."""
+    patterns = data.train_files if key == "data.train_files" else data.eval_files
+    if not patterns:
+        raise DataError(f"{key} is empty; give parquet or jsonl files, e.g. {key}=[data/train.parquet]")
     files: list[str] = []
-    for pattern in data.train_files:
+    for pattern in patterns:
         fs, _, paths = fsspec.get_fs_token_paths(pattern)
         if not paths:
-            raise DataError(f"data.train_files entry {pattern!r} matches no file; check the path or glob")
+            raise DataError(f"{key} entry {pattern!r} matches no file; check the path or glob")
         for path in sorted(paths):
             url = fs.unstrip_protocol(path) if "://" in pattern else path
             _check_columns(fs, path, url, data)
@@ -47,7 +46,7 @@ def _format(path: str) -> str:
 
 def _check_columns(fs, path: str, url: str, data: DataConfig) -> None:
     if not fs.exists(path):
-        raise DataError(f"data file {url!r} does not exist; check data.train_files")
+        raise DataError(f"data file {url!r} does not exist; check the data file lists")
     if _format(path) == "parquet":
         import pyarrow.parquet as pq
 

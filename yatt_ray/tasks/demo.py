@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def demo_cache_dir(demo: DemoConfig) -> Path:
     root = Path(os.environ.get("YATT_RAY_CACHE", Path.home() / ".cache" / "yatt_ray"))
-    key = hashlib.sha256(json.dumps(asdict(demo), sort_keys=True).encode()).hexdigest()[:12]
+    recipe = {"format": 2, **asdict(demo)}  # bump "format" when the model or task code changes
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"demo-{key}"
 
 
