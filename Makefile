@@ -18,7 +18,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check yatt_ray examples tests release
 	$(BIN)/ruff format --check yatt_ray examples tests release
-	$(BIN)/mypy yatt_ray/__init__.py yatt_ray/config.py yatt_ray/fit.py yatt_ray/errors.py
+	$(BIN)/mypy yatt_ray
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

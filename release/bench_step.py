@@ -5,7 +5,8 @@
 
 Orchestration overhead = step wall time - (rollout + reward + log-probs + train), i.e. weight sync plus
 everything between phases (batching, broadcasts, metric reduction). Target: under 10% of the step.
-Figures are medians over the measured steps; each phase is the slowest worker's time.
+Figures are medians over the measured steps; each phase is the slowest worker's time, and the overhead is
+computed per step on each worker (then the slowest worker's) before the median is taken.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main(overrides: list[str]) -> None:
         raise SystemExit(f"need more than {WARMUP_STEPS} steps to measure; raise train.steps")
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key.startswith("time/")}
     step = med["time/step"]
-    overhead = step - sum(med[f"time/{p}"] for p in COMPUTE)
+    overhead = med["time/orchestration"]  # per step and worker: wall - compute phases; max over workers
     print(
         f"\nbench_step: {len(rows)} measured steps (dp={config.train.dp_size}, tp={config.train.tp_size}, "
         f"{config.train.prompts_per_step} prompts x {config.rollout.n} samples)"

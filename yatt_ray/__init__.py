@@ -1,8 +1,10 @@
-"""yatt_ray: Ray-native RL post-training (GRPO, PPO) of language models on Megatron-core and vLLM.
+"""yatt_ray: Ray-native RL post-training (GRPO today) of language models on Megatron-core and vLLM.
 
-import yatt_ray
-result = yatt_ray.fit(yatt_ray.load_config("examples/configs/grpo.yaml", ["train.steps=20"]))
-result.history[-1]["accuracy"], result.checkpoint_path
+    import yatt_ray
+    result = yatt_ray.fit(yatt_ray.load_config("examples/configs/grpo.yaml", ["train.steps=20"]))
+    result.metric("accuracy")[-1], result.checkpoint_path
+
+`yatt_ray.fit()` with no argument trains the embedded demo (a tiny model on an addition task, on the CPU).
 """
 
 from yatt_ray.config import Config, load_config

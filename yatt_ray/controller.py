@@ -185,13 +185,16 @@ class GroupController:
         return StepInputs(
             batch=batch,
             prompt_width=width,
-            texts=[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
+            texts=[self._decode(c.token_ids) for c in flat],
             ground_truths=[str(g) for g in rows["ground_truth"] for _ in range(cfg.rollout.n)],
             sources=[str(s) for s in rows["data_source"] for _ in range(cfg.rollout.n)],
             n=cfg.rollout.n,
             truncated=sum(c.finish_reason == "length" for c in flat),
             prompts_clipped=sum(len(ids) > self.config.data.max_prompt_tokens for ids in encoded),
         )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _clip_prompt(self, ids: list[int]) -> list[int]:
         """Keep the last `data.max_prompt_tokens` tokens (counted in the `prompts_clipped` metric)."""
@@ -200,12 +203,12 @@ class GroupController:
 
     # ---- collectives ------------------------------------------------------------------------------
     def _broadcast_in_group(self, local: StepInputs | None) -> StepInputs:
-        if self.layout.tp_size == 1:
-            assert local is not None
-            return local
-        box = [local]
-        dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
-        return box[0]
+        if self.layout.tp_size > 1:
+            box = [local]
+            dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
+            local = box[0]
+        assert local is not None, "the group's controller always sends a batch"
+        return local
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         total = value.detach().to(torch.float64).reshape(1).clone()
@@ -239,7 +242,7 @@ class GroupController:
                 prompts = [self._clip_prompt(self.tokenizer(str(p))["input_ids"]) for p in rows["prompt"]]
                 outs = self.engine.generate(prompts, spec)
                 for group, gt, src in zip(outs, rows["ground_truth"], rows["data_source"]):
-                    text = self.tokenizer.decode(group[0].token_ids, skip_special_tokens=True)
+                    text = self._decode(group[0].token_ids)
                     r = self.reward_fn(text, str(gt), str(src))
                     sums += torch.tensor([r, float(r >= 1.0), 1.0], dtype=torch.float64)
             self.engine.sleep()

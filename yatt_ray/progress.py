@@ -16,11 +16,11 @@ REPORT_KEYS = ("reward_mean", "accuracy", "eval/reward_mean", "eval/accuracy")
 
 class DriverProgress:
     def __init__(self, hub, config: Config, output_dir: Path) -> None:
-        from yatt_ray.metrics.sinks import JsonlSink, MultiSink, TensorBoardSink
+        from yatt_ray.metrics.sinks import JsonlSink, MultiSink, Sink, TensorBoardSink
 
         self.hub, self.config, self.output_dir = hub, config, output_dir
         self.history: list[dict[str, float]] = []
-        sinks = [JsonlSink(output_dir / "metrics.jsonl")]
+        sinks: list[Sink] = [JsonlSink(output_dir / "metrics.jsonl")]
         if config.output.tensorboard:
             sinks.append(TensorBoardSink(output_dir / "tensorboard"))
         self.sink = MultiSink(sinks)

@@ -79,7 +79,7 @@ def local_sums(inputs: StepInputs) -> torch.Tensor:
     mask = b["response_mask"]
     prompt_tokens = b["attention_mask"][:, : inputs.prompt_width].sum()
     diff = ((b["old_logp"] - b["rollout_logp"]).abs() * mask).sum()
-    values = [
+    values: list[float | int | torch.Tensor] = [
         inputs.rewards.sum(),
         (inputs.rewards >= 1.0).sum(),
         len(inputs.texts),

@@ -171,6 +171,6 @@ def test_unsupported_head_size_is_a_clear_error(tmp_path):
 
 
 def test_auto_picks_vllm_for_a_supported_model(model_dirs):
-    from yatt_ray.rollout import _auto_kind
+    from yatt_ray.rollout import resolve_engine_kind
 
-    assert _auto_kind(str(model_dirs[0])) == "vllm"
+    assert resolve_engine_kind("auto", str(model_dirs[0]), on_gpu=False) == "vllm"

@@ -76,14 +76,14 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_positions,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         attention_bias=False,
         mlp_bias=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)

@@ -40,7 +40,7 @@ def apply_cpu_shims() -> bool:
 def _patch_torch_cuda() -> None:
     # Megatron passes `device=torch.cuda.current_device()` when it allocates buffers (attention, rotary
     # embedding, TP collectives' output tensors, DDP grad buffers). "cpu" is a valid `device=` for all of them.
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     # `dist_checkpointing.save`, `parallel_state.update_pg_timeout` and DDP's grad-buffer offload call
     # `torch.cuda.synchronize()`; CPU ops are synchronous, so there is nothing to wait for.
     torch.cuda.synchronize = lambda device=None: None

@@ -121,6 +121,7 @@ class MegatronPolicy:
         if reference and self.reference is None:
             raise RuntimeError("reference log-probs need MegatronPolicy(..., with_reference=True)")
         model = self.reference if reference else self.model
+        assert model is not None
         model.eval()
         outs = [
             self._forward(model, ids, mask)
@@ -174,7 +175,11 @@ class MegatronPolicy:
         """L2 norm of the whole model's gradient; TP-replicated params (norm weights) counted once."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        own = [p.grad.detach() for p in params if param_is_not_tensor_parallel_duplicate(p, self.tp_group)]
+        own = [
+            p.grad.detach()
+            for p in params
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p, self.tp_group)
+        ]
         sq = torch.stack([g.double().pow(2).sum() for g in own]).sum().to(self.device)
         if dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
@@ -217,7 +222,7 @@ class MegatronPolicy:
         for key, t in shard.items():
             parts = [torch.empty_like(t) for _ in range(tp)] if is_root else None
             dist.gather(t.contiguous(), parts, group=self.tp_group, group_dst=0)
-            if is_root:
+            if parts is not None:
                 for r, part in enumerate(parts):
                     shards[r][key] = part.cpu()
         return megatron_to_hf(shards, self.shape) if is_root else None
