@@ -142,7 +142,8 @@ def _connect(config: Config) -> None:
     # but no more than 4 per core, so an oversized plan fails the placement check instead of thrashing.
     cores = os.cpu_count() or 1
     needed = config.train.dp_size * config.train.tp_size * config.cluster.cpus_per_worker + 2
-    ray.init(num_cpus=max(cores, min(needed, 4 * cores)), include_dashboard=False)
+    # The dashboard stays on (127.0.0.1 only): Ray Train's placement-group cleaner queries it.
+    ray.init(num_cpus=max(cores, min(needed, 4 * cores)))
 
 
 def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
