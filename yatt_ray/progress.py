@@ -55,10 +55,17 @@ class DriverProgress:
         print(self.report(), flush=True)
 
     def report(self) -> str:
-        """Start vs end of RL for reward and accuracy (training samples and, when given, the eval set)."""
+        """Start vs end of RL: training reward and accuracy as means of the first and last 10 steps (single
+        steps are noisy), and the eval set's greedy scores before and after training when one is given."""
         lines = [f"results in {self.output_dir}"]
         for key in REPORT_KEYS:
             values = [r[key] for r in self.history if key in r]
-            if values:
-                lines.append(f"  {key:<18} start {values[0]:.3f} -> end {values[-1]:.3f}")
+            if not values:
+                continue
+            if key.startswith("eval/"):
+                lines.append(f"  {key:<18} before RL {values[0]:.3f} -> after RL {values[-1]:.3f}")
+            else:
+                k = min(10, len(values))
+                first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+                lines.append(f"  {key:<18} first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
         return "\n".join(lines)

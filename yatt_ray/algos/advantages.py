@@ -1,21 +1,88 @@
-"""Advantage estimators: one scalar advantage per sampled response, from the rewards of its group.
+"""Advantage estimators.
+
+Outcome level: one scalar advantage per sampled response, from one scalar reward per response (and, for some
+estimators, its group or a greedy baseline). Token level ("gae"): one advantage per response token, from
+per-token rewards and a critic's values.
 
 Layout convention: a batch of ``B = P * G`` responses holds ``G`` samples for each of ``P`` prompts, stored
 prompt-major (sample ``g`` of prompt ``p`` is row ``p * G + g``), so ``rewards_flat.view(P, G)`` gives the
 groups and ``advantages.reshape(-1)`` goes back. A prompt's whole group must live in one controller.
+
+Registry entries are `AdvantageEstimator` descriptors (callable; ``.fn`` is the function below) whose flags
+say what the controller must supply:
+
+==========================  =====================  ==========================================================
+name                        needs                  advantage
+==========================  =====================  ==========================================================
+"grpo"                      n >= 2                 (r - group mean) / (group std + eps)
+"grpo_no_std"               n >= 2                 r - group mean  (Dr. GRPO)
+"rloo"                      n >= 2                 r - mean of the *other* samples of the group
+"reinforce_pp"              -                      r whitened over the batch (REINFORCE++)
+"reinforce_pp_baseline"     n >= 2                 (r - group mean) whitened over the batch
+"remax"                     greedy_rewards [P]     r - r(greedy response of the prompt)
+"gae"                       critic values [B, T]   token-level GAE(gamma, lambda); see `gae_advantages`
+==========================  =====================  ==========================================================
+
+Std convention, everywhere in this module: the *unbiased* sample std (``correction=1``) with ``eps`` added to
+the std (not inside the square root); a group (or batch) whose values are all equal gets advantages exactly 0.
+"Batch" means the tensor passed in, i.e. the batch one controller holds; see the package docstring.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 from torch import Tensor
 
-from yatt_ray.algos.registry import ADVANTAGE_ESTIMATORS
+from yatt_ray.algos.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 
-__all__ = ["broadcast_to_tokens", "grpo_advantages", "grpo_no_std_advantages"]
+__all__ = [
+    "AdvantageEstimator",
+    "broadcast_to_tokens",
+    "gae_advantages",
+    "grpo_advantages",
+    "grpo_no_std_advantages",
+    "masked_whiten",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+    "token_rewards_from_outcome",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _check_group_rewards(rewards: Tensor) -> Tensor:
+def _register(
+    name: str,
+    *,
+    needs_group: bool = False,
+    needs_critic: bool = False,
+    needs_greedy_baseline: bool = False,
+    token_level: bool = False,
+) -> Callable[[F], F]:
+    """Register the decorated function as an `AdvantageEstimator` named ``name``; return it unchanged."""
+    register = ADVANTAGE_ESTIMATORS.register(name)  # raises DuplicateNameError at once for a taken name
+
+    def decorator(fn: F) -> F:
+        register(
+            AdvantageEstimator(
+                name=name,
+                fn=fn,
+                needs_group=needs_group,
+                needs_critic=needs_critic,
+                needs_greedy_baseline=needs_greedy_baseline,
+                token_level=token_level,
+            )
+        )
+        return fn
+
+    return decorator
+
+
+def _check_group_rewards(rewards: Tensor, min_group: int = 2) -> Tensor:
     if not isinstance(rewards, Tensor):
         raise TypeError(f"rewards must be a torch.Tensor of shape [P, G], got {type(rewards).__name__}")
     if rewards.dim() != 2:
@@ -23,10 +90,15 @@ def _check_group_rewards(rewards: Tensor) -> Tensor:
             f"rewards must have shape [P, G] (prompts x samples per prompt), got shape {tuple(rewards.shape)}; "
             f"reshape a flat [P * G] tensor with rewards.view(-1, G)"
         )
-    if rewards.shape[1] < 2:
+    if rewards.shape[1] < min_group:
         raise ValueError(
             f"group-relative advantages need at least 2 samples per prompt, got G={rewards.shape[1]} "
             f"(every advantage would be 0); raise the number of samples per prompt to 2 or more"
+        )
+    if min_group < 2 and rewards.numel() < 2:
+        raise ValueError(
+            f"batch-whitened advantages need at least 2 rewards in the batch, got shape {tuple(rewards.shape)} "
+            f"(the std of one value is undefined); pass more prompts or samples"
         )
     if not bool(torch.isfinite(rewards).all()):
         bad = (~torch.isfinite(rewards)).nonzero()[0].tolist()
@@ -38,7 +110,7 @@ def _check_group_rewards(rewards: Tensor) -> Tensor:
     return rewards.to(torch.promote_types(rewards.dtype, torch.float32))
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@_register("grpo", needs_group=True)
 def grpo_advantages(rewards: Tensor, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
     r"""Group-relative advantages (GRPO, Shao et al. 2024, outcome supervision).
 
@@ -70,11 +142,18 @@ def grpo_advantages(rewards: Tensor, eps: float = 1e-6, normalize_std: bool = Tr
         adv = centred / (r.std(dim=1, keepdim=True, correction=1) + eps)
     else:
         adv = centred
-    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return _zero_where_all_equal(r, adv, dim=1)
+
+
+def _zero_where_all_equal(values: Tensor, adv: Tensor, dim: int | None) -> Tensor:
+    """``adv`` with exact zeros wherever ``values`` are all equal along ``dim`` (``None``: the whole tensor)."""
+    if dim is None:
+        return torch.zeros_like(adv) if bool((values == values.reshape(-1)[0]).all()) else adv
+    all_equal = (values == values.narrow(dim, 0, 1)).all(dim=dim, keepdim=True)
     return torch.where(all_equal, torch.zeros_like(adv), adv)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo_no_std")
+@_register("grpo_no_std", needs_group=True)
 def grpo_no_std_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     """Mean-only group advantages (Dr. GRPO): ``A[p, g] = r[p, g] - mean_g r[p, :]``, shapes [P, G] -> [P, G].
 
@@ -83,6 +162,231 @@ def grpo_no_std_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     """
     del eps
     return grpo_advantages(rewards, normalize_std=False)
+
+
+@_register("rloo", needs_group=True)
+def rloo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    r"""REINFORCE leave-one-out advantages (RLOO; Kool et al. 2019, Ahmadian et al. 2024).
+
+    Shapes: ``rewards`` [P, G] (G >= 2) -> [P, G]. Each sample's baseline is the mean reward of the *other*
+    G - 1 samples of its group, so the baseline does not depend on the sample itself (unbiased)::
+
+        A[p, g] = r[p, g] - (sum_j r[p, j] - r[p, g]) / (G - 1)
+                = G / (G - 1) * (r[p, g] - mean_p)
+
+    No std scaling, no ``eps`` (accepted and unused, so every estimator takes the same arguments). Computed in
+    float32 (float64 stays float64); equal-reward groups give exactly 0; G = 1 raises (no other sample).
+    """
+    del eps
+    r = _check_group_rewards(rewards)
+    g = r.shape[1]
+    adv = r - (r.sum(dim=1, keepdim=True) - r) / (g - 1)
+    return _zero_where_all_equal(r, adv, dim=1)
+
+
+def _whiten_all(x: Tensor, eps: float) -> Tensor:
+    """``(x - mean(x)) / (std(x) + eps)`` over every element; unbiased std; all-equal -> exact 0."""
+    adv = (x - x.mean()) / (x.std(correction=1) + eps)
+    return _zero_where_all_equal(x, adv, dim=None)
+
+
+@_register("reinforce_pp")
+def reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    r"""REINFORCE++ outcome advantages without a group baseline (Hu 2025): rewards whitened over the batch.
+
+    Shapes: ``rewards`` [P, G] (any G >= 1; P * G >= 2) -> [P, G]. With ``N = P * G`` and all samples ``i``::
+
+        mean = (1 / N) * sum_i r_i
+        std  = sqrt( sum_i (r_i - mean)^2 / (N - 1) )        # unbiased, over the whole batch
+        A_i  = (r_i - mean) / (std + eps)                     # eps = 1e-6, added to the std
+
+    The statistics are those of the tensor passed in (one controller's batch). A batch whose rewards are all
+    equal gives exactly 0. With a per-token KL penalty in the reward (the REINFORCE++ paper's setting) build
+    token rewards with `token_rewards_from_outcome`, accumulate them (`gae_advantages` with gamma = lam = 1
+    and zero values gives the reward-to-go) and whiten with `masked_whiten` instead.
+    """
+    return _whiten_all(_check_group_rewards(rewards, min_group=1), eps)
+
+
+@_register("reinforce_pp_baseline", needs_group=True)
+def reinforce_pp_baseline_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    r"""REINFORCE++ with a group baseline: subtract each group's mean, then whiten over the whole batch.
+
+    Shapes: ``rewards`` [P, G] (G >= 2) -> [P, G]::
+
+        c[p, g] = r[p, g] - mean_g r[p, :]
+        A[p, g] = (c[p, g] - mean(c)) / (std(c) + eps)       # mean / unbiased std over all P * G values
+
+    (``mean(c)`` is 0 up to rounding; it is subtracted anyway.) Unlike "grpo", the scale is one batch-wide std,
+    so a group with little reward spread is not blown up to unit scale. All-equal ``c`` (every group
+    constant) gives exactly 0.
+    """
+    r = _check_group_rewards(rewards)
+    centred = _zero_where_all_equal(r, r - r.mean(dim=1, keepdim=True), dim=1)
+    return _whiten_all(centred, eps)
+
+
+@_register("remax", needs_greedy_baseline=True)
+def remax_advantages(rewards: Tensor, greedy_rewards: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    r"""ReMax advantages (Li et al. 2024): the reward of the prompt's greedy response is the baseline.
+
+    Shapes: ``rewards`` [P, G] (any G >= 1), ``greedy_rewards`` [P] (the reward of one greedy, temperature-0
+    response per prompt, decoded by the controller and scored like the samples) -> [P, G]::
+
+        A[p, g] = r[p, g] - greedy_rewards[p]
+
+    No scaling, no ``eps`` (accepted and unused). The greedy responses are only a baseline: they are not
+    trained on. Raises `ValueError` if ``greedy_rewards`` is missing, mis-shaped or not finite.
+    """
+    del eps
+    r = _check_group_rewards(rewards, min_group=1)
+    if greedy_rewards is None:
+        raise ValueError(
+            "remax needs greedy_rewards [P]: the reward of one greedy (temperature 0) response per prompt; the "
+            "controller must decode and score it, or pick another estimator (e.g. 'rloo')"
+        )
+    if greedy_rewards.shape != (r.shape[0],):
+        raise ValueError(
+            f"greedy_rewards must have shape [P] = ({r.shape[0]},), one per prompt, got "
+            f"{tuple(greedy_rewards.shape)}"
+        )
+    if not bool(torch.isfinite(greedy_rewards).all()):
+        raise ValueError("greedy_rewards contain a non-finite value; check the reward function")
+    return r - greedy_rewards.to(r.dtype).unsqueeze(1)
+
+
+def _float_dtype(*tensors: Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _check_token_shapes(**named: Tensor) -> tuple[int, int]:
+    shapes = {k: tuple(v.shape) for k, v in named.items()}
+    first = next(iter(named.values()))
+    if first.dim() != 2 or any(v.shape != first.shape for v in named.values()):
+        raise ValueError(f"{', '.join(named)} must share one shape [B, T], got {shapes}")
+    return first.shape[0], first.shape[1]
+
+
+@_register("gae", needs_critic=True, token_level=True)
+def gae_advantages(
+    token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    r"""Generalised advantage estimation (Schulman et al. 2016) over response tokens.
+
+    Shapes: ``token_rewards``, ``values`` (the critic's V(s_t) for each response token) and ``response_mask``
+    (bool or 0/1; 1 = a generated token the loss sees) are [B, T] -> ``(advantages [B, T], returns [B, T])``.
+
+    Recursion, from the last token backwards, over the *real* (mask-1) tokens of each row::
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next
+        return_t = A_t + V_t                  # the critic's regression target
+
+    where ``V_next`` / ``A_next`` belong to the next real token of the row and are 0 after the row's last
+    real token (the episode ends with the response: V beyond it is 0). Masked positions are skipped as if
+    absent: their rewards and values are ignored, they do not advance the discount, and their advantage and
+    return are exactly 0. That covers right padding and also holes, e.g. tool or environment tokens of a
+    multi-turn rollout that the policy did not generate. With ``gamma = lam = 1`` and zero values, ``A_t`` is
+    the reward-to-go ``sum_{k >= t} r_k``.
+
+    Implementation: a reverse scan over T vectorised across B (T steps of [B]-sized operations), run under
+    ``torch.no_grad`` (advantages and returns are data). Computed in at least float32. To whiten the
+    advantages over the batch's tokens (PPO's usual step) call ``masked_whiten(advantages, response_mask)``
+    afterwards; whiten the advantages only, never the returns.
+    """
+    _check_token_shapes(token_rewards=token_rewards, values=values, response_mask=response_mask)
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}; LLM PPO uses gamma=1")
+    dtype = _float_dtype(token_rewards, values)
+    with torch.no_grad():
+        mask = response_mask.bool()
+        val = values.to(dtype)
+        # time-major copies, so that each step of the scan reads and writes contiguous [B] rows
+        mask_tm = mask.t().contiguous()
+        rew_tm = token_rewards.to(dtype).t().contiguous()
+        val_tm = val.t().contiguous()
+        width, batch = rew_tm.shape
+        adv_tm = torch.empty(width, batch, dtype=dtype, device=rew_tm.device)
+        next_value = torch.zeros(batch, dtype=dtype, device=rew_tm.device)
+        next_adv = torch.zeros(batch, dtype=dtype, device=rew_tm.device)
+        for t in range(width - 1, -1, -1):
+            m = mask_tm[t]
+            a_t = rew_tm[t] + gamma * next_value - val_tm[t] + (gamma * lam) * next_adv
+            next_adv = torch.where(m, a_t, next_adv)
+            next_value = torch.where(m, val_tm[t], next_value)
+            adv_tm[t] = torch.where(m, a_t, 0.0)
+        adv = adv_tm.t().contiguous()
+        returns = torch.where(mask, adv + val, 0.0)
+    return adv, returns
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-6) -> Tensor:
+    r"""Whiten ``x`` over its mask-1 elements: ``(x - mean) / (std + eps)``; shapes [B, T] -> [B, T].
+
+    ``mean`` and ``std`` are taken over the ``N = mask.sum()`` selected elements of the whole tensor (every
+    row together, so a long response weighs more than a short one); std is *unbiased* (divides by N - 1),
+    ``eps`` = 1e-6 is added to the std. With ``shift_mean=False`` the mean is added back,
+    ``(x - mean) / (std + eps) + mean``: the spread is normalised but the sign and offset are kept (the usual
+    choice for rewards, as opposed to advantages). Masked positions are exactly 0. If all selected values are
+    equal the centred part is exactly 0. Raises `ValueError` for N < 2. Computed in at least float32, and not
+    detached (call it on data, or under ``torch.no_grad``).
+    """
+    _check_token_shapes(x=x, mask=mask)
+    m = mask.bool()
+    n = int(m.sum())
+    if n < 2:
+        raise ValueError(f"masked_whiten needs at least 2 selected elements, got {n}; check the mask")
+    xf = x.to(_float_dtype(x))
+    sel = xf[m]
+    mean = sel.mean()
+    centred = (xf - mean) / (sel.std(correction=1) + eps)
+    if bool((sel == sel[0]).all()):
+        centred = torch.zeros_like(centred)
+    out = centred + mean if not shift_mean else centred
+    return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def token_rewards_from_outcome(
+    seq_rewards: Tensor, response_mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
+) -> Tensor:
+    r"""Per-token rewards from one outcome reward per response, with an optional KL-as-reward penalty.
+
+    Shapes: ``seq_rewards`` [B], ``response_mask`` [B, T], ``kl`` [B, T] or None -> token rewards [B, T]::
+
+        out[b, t] = seq_rewards[b] * [t == last real token of row b]  -  kl_coef * kl[b, t]     (mask-1 t)
+        out[b, t] = 0                                                                          (mask-0 t)
+
+    The "last real token" is the largest t with ``response_mask[b, t] = 1``. ``kl`` is a per-token estimate of
+    KL(pi || ref) (e.g. ``kl_estimate(old_logp, ref_logp, "k1")``); it is detached here, because a reward is
+    data (the penalty shapes the return that the critic or the reward-to-go sees, it is not differentiated).
+    This is where PPO (Ziegler et al. 2019; Ouyang et al. 2022) and REINFORCE++ put the KL term; the
+    alternative is a KL term in the loss. Computed in at least float32. Raises `ValueError` for a row with no
+    mask-1 token (an outcome reward would have nowhere to go).
+    """
+    batch, width = _check_token_shapes(response_mask=response_mask)
+    if seq_rewards.shape != (batch,):
+        raise ValueError(f"seq_rewards must have shape [B] = ({batch},), got {tuple(seq_rewards.shape)}")
+    mask = response_mask.bool()
+    has_token = mask.any(dim=1)
+    if not bool(has_token.all()):
+        row = int((~has_token).nonzero()[0, 0])
+        raise ValueError(
+            f"response {row} has no response token (mask row all 0); its outcome reward cannot be placed; drop "
+            f"empty responses before building token rewards"
+        )
+    dtype = _float_dtype(seq_rewards, *([kl] if kl is not None else []))
+    # index of the last mask-1 token: argmax finds the first 1 of the flipped row
+    last = width - 1 - mask.flip(1).to(torch.uint8).argmax(dim=1)
+    out = torch.zeros(batch, width, dtype=dtype, device=seq_rewards.device)
+    out[torch.arange(batch, device=out.device), last] = seq_rewards.detach().to(dtype)
+    if kl is not None:
+        if kl.shape != response_mask.shape:
+            raise ValueError(f"kl must have shape [B, T] = {tuple(response_mask.shape)}, got {tuple(kl.shape)}")
+        out = out - kl_coef * torch.where(mask, kl.detach().to(dtype), 0.0)
+    return out
 
 
 def broadcast_to_tokens(seq_adv: Tensor, response_mask: Tensor) -> Tensor:

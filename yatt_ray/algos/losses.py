@@ -1,4 +1,26 @@
-"""Policy losses: per-token values, to be reduced by `yatt_ray.algos.aggregation.aggregate`."""
+"""Policy losses: per-token values, to be reduced by `yatt_ray.algos.aggregation.aggregate`.
+
+Every registered loss has the signature::
+
+    fn(logp, old_logp, advantages, clip_low, clip_high, *, response_mask=None, **options)
+        -> (per_token_loss [B, T], stats)
+
+``logp`` is the current policy's log-probability of each sampled token (it carries the gradient),
+``old_logp`` that of the policy that the ratio is taken against (data), ``advantages`` the per-token
+advantages (sequence advantages broadcast with `broadcast_to_tokens`). ``response_mask`` [B, T] (1 = a token
+the loss sees) is accepted by every loss, so the trainer can always pass it; the sequence-level loss
+("gspo") requires it. ``stats`` holds detached per-token [B, T] tensors, always including ``"ratio"`` and
+``"clipped"``; average them with the response mask for logging. Padding positions of the loss are not
+zeroed here: the aggregation masks them.
+
+=============  ============================================================  ===================================
+name           per-token loss                                                typical clip_low / clip_high
+=============  ============================================================  ===================================
+"ppo_clip"     -min(r A, clip(r) A), optional dual clip                       0.2 / 0.2 (0.2 / 0.28 in DAPO)
+"gspo"         as ppo_clip with the sequence ratio s_i (GSPO-token form)      3e-4 / 4e-4
+"cispo"        -sg(clip(r)) A logp                                            upper bound only (see `cispo_loss`)
+=============  ============================================================  ===================================
+"""
 
 from __future__ import annotations
 
@@ -7,10 +29,36 @@ from torch import Tensor
 
 from yatt_ray.algos.registry import POLICY_LOSSES
 
-__all__ = ["RATIO_LOG_CLAMP", "ppo_clip_loss"]
+__all__ = ["RATIO_LOG_CLAMP", "cispo_loss", "gspo_loss", "ppo_clip_loss"]
 
 RATIO_LOG_CLAMP = 20.0
 """The log importance ratio is clamped to [-20, 20] before ``exp``, so the ratio lies in [2e-9, 4.9e8]."""
+
+
+def _check_inputs(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor | None
+) -> torch.dtype:
+    """Shape checks; the computation dtype (at least float32)."""
+    if not (logp.shape == old_logp.shape == advantages.shape):
+        raise ValueError(
+            f"logp, old_logp and advantages must share one shape [B, T], got {tuple(logp.shape)}, "
+            f"{tuple(old_logp.shape)} and {tuple(advantages.shape)}; broadcast sequence advantages with "
+            f"broadcast_to_tokens(seq_adv, response_mask)"
+        )
+    if response_mask is not None and response_mask.shape != logp.shape:
+        raise ValueError(
+            f"response_mask must have the shape of logp {tuple(logp.shape)}, got {tuple(response_mask.shape)}"
+        )
+    dtype = torch.promote_types(torch.promote_types(logp.dtype, old_logp.dtype), torch.float32)
+    return torch.promote_types(dtype, advantages.dtype)
+
+
+def _check_clip(clip_low: float, clip_high: float, usual: str, allow_low_one: bool = False) -> None:
+    if not (0.0 <= clip_low < 1.0 or (allow_low_one and clip_low == 1.0)):
+        bound = "[0, 1]" if allow_low_one else "[0, 1)"
+        raise ValueError(f"clip_low must be in {bound}, got {clip_low}; the usual value is {usual}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}; the usual value is {usual}")
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -20,6 +68,9 @@ def ppo_clip_loss(
     advantages: Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    *,
+    dual_clip: float | None = None,
+    response_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate objective, negated to a loss, per token (Schulman et al. 2017).
 
@@ -32,28 +83,26 @@ def ppo_clip_loss(
         loss   = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
                =  max(-ratio * A, -clip(ratio, 1 - clip_low, 1 + clip_high) * A)
 
+    Dual clip (Ye et al. 2020), when ``dual_clip = c`` (c > 1) is given: for A < 0 the loss is also capped at
+    ``-c * A`` (> 0), i.e. ``loss = min(loss, -c * A)``, so a token whose ratio has grown far above 1 + clip_high
+    while its advantage is negative cannot produce an unbounded loss and gradient; it gets no gradient
+    instead. Tokens with A >= 0 are unchanged. The usual value is c = 3.
+
     ``clip_low`` and ``clip_high`` may differ (asymmetric "clip-higher", as in DAPO). The clamp on the log-ratio
     (`RATIO_LOG_CLAMP`) only guards against overflow; inside it the loss is exact. Where the clipped term is
     the smaller objective the token's gradient is 0. Computed in at least float32. Padding positions are not
-    masked here.
+    masked here; ``response_mask`` is accepted (for a uniform call) and unused.
 
-    ``stats`` holds detached per-token [B, T] tensors: ``"ratio"`` (the clamped importance ratio) and
+    ``stats`` holds detached per-token [B, T] tensors: ``"ratio"`` (the clamped importance ratio),
     ``"clipped"`` (1.0 where the clipped term is strictly the smaller objective, i.e. the token gets no
-    gradient, else 0.0). Average them with the response mask for logging.
+    gradient, else 0.0) and ``"dual_clipped"`` (1.0 where the dual-clip cap is strictly below the PPO loss;
+    all 0 without ``dual_clip``). Average them with the response mask for logging.
     """
-    if not (logp.shape == old_logp.shape == advantages.shape):
-        raise ValueError(
-            f"logp, old_logp and advantages must share one shape [B, T], got {tuple(logp.shape)}, "
-            f"{tuple(old_logp.shape)} and {tuple(advantages.shape)}; broadcast sequence advantages with "
-            f"broadcast_to_tokens(seq_adv, response_mask)"
-        )
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}; the usual value is 0.2")
-    if clip_high < 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}; the usual value is 0.2 (0.28 in DAPO)")
+    dtype = _check_inputs(logp, old_logp, advantages, response_mask)
+    _check_clip(clip_low, clip_high, "0.2 (clip_high 0.28 in DAPO)")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}; the usual value is 3")
 
-    dtype = torch.promote_types(torch.promote_types(logp.dtype, old_logp.dtype), torch.float32)
-    dtype = torch.promote_types(dtype, advantages.dtype)
     adv = advantages.to(dtype)
     log_ratio = (logp.to(dtype) - old_logp.to(dtype)).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -64,4 +113,118 @@ def ppo_clip_loss(
         "ratio": ratio.detach(),
         "clipped": (clipped < unclipped).to(dtype).detach(),
     }
+    if dual_clip is None:
+        stats["dual_clipped"] = torch.zeros_like(stats["ratio"])
+        return loss, stats
+    cap = -dual_clip * adv
+    capped = (adv < 0) & (cap < loss)
+    loss = torch.where(capped, cap, loss)
+    stats["dual_clipped"] = capped.to(dtype).detach()
+    return loss, stats
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    *,
+    response_mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""Group sequence policy optimisation (GSPO, Zheng et al. 2025), in its token form ("GSPO-token").
+
+    Shapes: ``logp``, ``old_logp``, ``advantages`` and ``response_mask`` (required) are [B, T] ->
+    ``(loss [B, T], stats)``.
+
+    GSPO clips one importance ratio per *sequence*, the length-normalised (geometric-mean) ratio::
+
+        s_i = exp( (1 / |y_i|) * sum_{t in y_i} (logp[i, t] - old_logp[i, t]) )    |y_i| = mask-1 tokens of row i
+        J   = (1 / G) * sum_i min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i)
+
+    What is computed here is the per-token form whose value *and* gradient equal that::
+
+        s[i, t] = sg(s_i) * exp(logp[i, t] - sg(logp[i, t]))     # value s_i; d s[i, t] / d logp[i, t] = s_i
+        loss[i, t] = -min(s[i, t] * A[i, t], clip(s[i, t], 1 - clip_low, 1 + clip_high) * A[i, t])
+
+    (``sg`` = stop-gradient / ``detach``.) When ``A[i, t] = A_i`` on every token of row i (an outcome
+    advantage broadcast with `broadcast_to_tokens`), averaging ``loss`` over each sequence's tokens and then
+    over sequences -- aggregation "seq-mean-token-mean" -- gives exactly ``-J`` and its gradient, because
+    ``d s_i / d logp[i, t] = s_i / |y_i|``. With other aggregations the sequences are weighted differently
+    (e.g. "token-mean" weights a sequence by its length), which departs from the paper. A per-token advantage
+    (e.g. from "gae") is used token by token, which is the paper's GSPO-token.
+
+    Clip ranges: the ratio is a per-token geometric mean, so it stays very close to 1; the GSPO paper uses
+    clip_low = 3e-4 and clip_high = 4e-4 (the defaults here), two to three orders of magnitude below PPO's
+    0.2. Numerics: mask-0 positions are excluded from the mean (their logp may be anything, even inf); the
+    sequence log-ratio is clamped to [-20, 20] (`RATIO_LOG_CLAMP`); a row with no mask-1 token gets s = 1.
+    Computed in at least float32.
+
+    ``stats`` (detached, [B, T]): ``"ratio"`` (s_i on every token of row i) and ``"clipped"`` (1.0 where the
+    clipped term is strictly the smaller objective: no gradient).
+    """
+    dtype = _check_inputs(logp, old_logp, advantages, response_mask)
+    if response_mask is None:
+        raise ValueError(
+            "gspo needs response_mask [B, T] to average the log-ratio over each sequence's tokens; pass "
+            "response_mask=mask"
+        )
+    _check_clip(clip_low, clip_high, "3e-4 / 4e-4 (GSPO paper)")
+    mask = response_mask.bool()
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    lp = torch.where(mask, logp.to(dtype), zero)
+    old = torch.where(mask, old_logp.to(dtype), zero)
+    n_tokens = mask.sum(dim=1, keepdim=True).clamp_min(1).to(dtype)
+    seq_log_ratio = ((lp - old).sum(dim=1, keepdim=True) / n_tokens).detach()
+    seq_log_ratio = seq_log_ratio.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    ratio = torch.exp(seq_log_ratio + (lp - lp.detach()))  # value s_i, gradient s_i * d logp
+    adv = advantages.to(dtype)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    stats = {
+        "ratio": torch.exp(seq_log_ratio).expand_as(loss).detach(),
+        "clipped": (clipped < unclipped).to(dtype).detach(),
+    }
+    return loss, stats
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 0.2,
+    *,
+    response_mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""Clipped importance-sampling policy optimisation (CISPO, MiniMax-M1, 2025), per token.
+
+    Shapes: ``logp``, ``old_logp``, ``advantages`` [B, T] -> ``(loss [B, T], stats)``::
+
+        ratio = exp(clamp(logp - old_logp, -20, 20))
+        w     = sg( clip(ratio, 1 - clip_low, 1 + clip_high) )      # clipped IS weight, detached
+        loss  = -w * A * logp
+
+    PPO clips the *objective*, so a token whose ratio left the trust region gets no gradient at all (often the
+    rare, high-information tokens). CISPO clips only the importance weight and keeps every token's policy
+    gradient ``-w * A * d logp``; the weight bound caps its size. At ``logp == old_logp`` the gradient equals
+    PPO's. The loss *value* is a surrogate (its gradient is what matters): it shifts with ``logp``, so don't
+    compare it across losses. The MiniMax-M1 report bounds the weight from above only (their lower epsilon is
+    set large enough to be inactive); ``clip_low = 1`` (the default here, allowed for this loss only) gives
+    the bound ``w >= 0``, i.e. none. Computed in at least float32; ``response_mask`` is accepted and unused.
+
+    ``stats`` (detached, [B, T]): ``"ratio"`` and ``"clipped"`` (1.0 where the weight was clipped, i.e. the
+    ratio lies outside [1 - clip_low, 1 + clip_high]; unlike PPO these tokens still get a gradient).
+    """
+    dtype = _check_inputs(logp, old_logp, advantages, response_mask)
+    _check_clip(clip_low, clip_high, "clip_low 1 (no lower bound); tune clip_high", allow_low_one=True)
+    lp = logp.to(dtype)
+    ratio = torch.exp((lp - old_logp.to(dtype)).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)).detach()
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+    weight = ratio.clamp(low, high)
+    loss = -weight * advantages.to(dtype) * lp
+    stats = {"ratio": ratio, "clipped": ((ratio < low) | (ratio > high)).to(dtype)}
     return loss, stats

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from yatt_ray.errors import UnknownNameError, YattError
 
@@ -17,6 +18,7 @@ T = TypeVar("T")
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
@@ -87,6 +89,24 @@ class Registry(Generic[T]):
         """All registered names, sorted."""
         return sorted(self._entries)
 
+    def describe(self) -> str:
+        """A plain-text table, one line per name (sorted): the name and the first line of its docstring.
+
+        For an entry that wraps a function (an `AdvantageEstimator`), the wrapped function's docstring is used
+        and the entry's requirements are appended, e.g. ``[needs critic, token-level]``.
+        """
+        width = max((len(n) for n in self._entries), default=0)
+        lines = []
+        for name in self.names():
+            obj = self._entries[name]
+            doc = (getattr(obj, "fn", obj).__doc__ or "").strip().splitlines()
+            line = f"{name:<{width}}  {doc[0] if doc else ''}"
+            needs = getattr(obj, "requirements", None)
+            if needs:
+                line += f"  [{', '.join(needs)}]"
+            lines.append(line.rstrip())
+        return "\n".join(lines)
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
@@ -100,7 +120,49 @@ class Registry(Generic[T]):
         return f"Registry({self.kind!r}, names={self.names()})"
 
 
-ADVANTAGE_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered advantage estimator: the function, and what a controller must supply to call it.
+
+    Calling the descriptor calls ``fn``, so ``ADVANTAGE_ESTIMATORS.get("grpo")(rewards)`` works as before.
+    Two calling conventions exist:
+
+    * outcome level (``token_level=False``): ``fn(rewards [P, n], ...) -> advantages [P, n]`` on one scalar
+      reward per response, prompt-major groups; broadcast to tokens with `broadcast_to_tokens`;
+    * token level (``token_level=True``, "gae"): ``fn(token_rewards [B, T], values [B, T], response_mask [B, T],
+      gamma, lam) -> (advantages [B, T], returns [B, T])``.
+
+    Flags (what the controller must provide, checked by the config and the controller, not by ``__call__``):
+
+    * ``needs_group``: n >= 2 samples per prompt (a group baseline; n = 1 raises);
+    * ``needs_critic``: a value model's per-token values [B, T] (and a critic to train on the returns);
+    * ``needs_greedy_baseline``: one extra greedy (temperature 0) response per prompt, scored, passed as
+      ``greedy_rewards`` [P].
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    needs_group: bool = False
+    needs_critic: bool = False
+    needs_greedy_baseline: bool = False
+    token_level: bool = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    @property
+    def requirements(self) -> list[str]:
+        """The flags that are set, in words (for tables and error messages)."""
+        flags = (
+            (self.needs_group, "needs n >= 2"),
+            (self.needs_critic, "needs critic"),
+            (self.needs_greedy_baseline, "needs greedy rewards"),
+            (self.token_level, "token-level"),
+        )
+        return [text for on, text in flags if on]
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
 KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
 LOSS_AGGREGATIONS: Registry[Callable] = Registry("loss aggregation")

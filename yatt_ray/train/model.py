@@ -169,10 +169,18 @@ def load_hf_weights(model, model_dir: str | Path, shape: LlamaShape) -> None:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_size=ps.get_tensor_model_parallel_world_size(),
     )
+    load_megatron_shard(model, shard, model_dir)
+
+
+def load_megatron_shard(model, shard: StateDict, source: str | Path) -> None:
+    """`model.load_state_dict(shard)`, raising ConfigError unless every parameter is set and no key is left.
+
+    `_extra_state` keys may be missing (Megatron's per-module metadata). `source` names the weights' origin.
+    """
     result = model.load_state_dict(shard, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise ConfigError(
-            f"HF weights in {str(model_dir)!r} do not fit the Megatron model: missing={missing}, "
+            f"HF weights in {str(source)!r} do not fit the Megatron model: missing={missing}, "
             f"unexpected={result.unexpected_keys}; the checkpoint and config.json disagree."
         )

@@ -1,0 +1,297 @@
+"""What every Megatron trainer of the library shares (`MegatronPolicy`, `MegatronCritic`).
+
+A trainer is one Megatron `GPTModel` (subclasses say how to build it) under Megatron DDP with plain AdamW, and:
+- a no-grad pass over a batch in micro-batches whose per-row results come back in the original row order;
+- a training step: micro-batches forward + backward (gradients accumulate), one DP all-reduce, clip, step;
+- TP gathering of the full state dict, HF-directory writing, and offload / onload to host memory.
+
+Gradient convention: the loss of a micro-batch is already divided by the GLOBAL normaliser (e.g. the response
+tokens of the whole step, over every micro-batch and every data-parallel rank). Gradients are therefore
+accumulated over micro-batches and SUMMED over data-parallel ranks (Megatron DDP with
+`calculate_per_token_loss=True`, which turns off its 1/dp scaling), never averaged. With that convention the way
+rows are split into micro-batches (fixed size, token budget) or over DP ranks does not change the step.
+
+Micro-batches: `micro_batch_size` rows each, or, with `max_tokens_per_micro_batch`, planned by
+`micro_batches.plan_micro_batches` (rows sorted by real length; see there); the budget wins when both are given.
+Tensor-parallel ranks of one DP group get the same batch, so they plan the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from yatt_ray.train.hf_convert import LlamaShape, StateDict
+from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
+from yatt_ray.train.model import init_parallel_state, seed_everything
+
+MicroLoss = Callable[[dict], tuple[torch.Tensor, dict]]
+RowForward = Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
+
+
+class MegatronTrainerBase:
+    """Megatron DDP + AdamW + micro-batch loops + offload around the model that `_build_model` returns.
+
+    Args:
+        model_dir: Hugging Face Llama directory the model is built from (config.json, *.safetensors, ...).
+        tp_size: tensor-parallel size; the world size must be a multiple of it (DP = world / tp).
+        lr, weight_decay, betas: AdamW settings (no weight decay on 1-D params: norm weights, biases).
+        grad_clip: max global grad norm (<= 0 turns clipping off; the norm is still reported).
+        seed: torch and Megatron RNG seed.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tp_size: int,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        grad_clip: float,
+        seed: int,
+    ):
+        from megatron.core import parallel_state as ps
+
+        self.model_dir = Path(model_dir)
+        self.shape = LlamaShape.from_hf_dir(self.model_dir)
+        self.seed = seed
+        init_parallel_state(tp_size)
+        seed_everything(seed)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.grad_clip = grad_clip
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        )
+        self.model = _wrap_ddp(self._build_model())
+        self.optimizer = _make_adamw(self.model, lr, weight_decay, betas)
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- what subclasses provide ---------------------------------------------------------------------------
+
+    def _build_model(self) -> torch.nn.Module:
+        """The trainable (unwrapped) model, weights loaded; called once by __init__."""
+        raise NotImplementedError
+
+    def _frozen_modules(self) -> list[torch.nn.Module]:
+        """Extra modules whose weights `offload` / `onload` move too (e.g. a reference model)."""
+        return []
+
+    # ---- micro-batch loops ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _map_rows(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        micro_batch_size: int | None,
+        max_tokens: int | None,
+        forward: RowForward,
+    ) -> list[torch.Tensor]:
+        """Run `forward(ids [b, T], mask [b, T]) -> tensors [b, ...]` per micro-batch, in eval mode.
+
+        Returns each output for all B rows, in the original row order, on the CPU.
+        """
+        rows = input_ids.shape[0]
+        if rows == 0:
+            raise ValueError("the batch has no rows; nothing to compute")
+        model.eval()
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        outs: list[torch.Tensor] = []
+        for index in micro_batch_indices(attention_mask, micro_batch_size, max_tokens):
+            micro = select_rows(batch, rows, index, self.device)
+            results = forward(micro["input_ids"], micro["attention_mask"])
+            if not outs:
+                outs = [torch.zeros(rows, *r.shape[1:], dtype=r.dtype) for r in results]
+            at = torch.tensor(index, dtype=torch.long)
+            for out, r in zip(outs, results):
+                out[at] = r.cpu()
+        return outs
+
+    def _train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int | None,
+        max_tokens: int | None,
+        micro_loss: MicroLoss,
+    ) -> dict:
+        """One optimizer step: `micro_loss(micro_batch) -> (loss, metrics)` per micro-batch, backward each.
+
+        Every tensor of `batch` with B rows is indexed per micro-batch (and moved to the device); other values
+        are passed whole. Returns {"grad_norm", "lr", **metrics}, metrics summed over micro-batches and DP ranks.
+        """
+        self.model.train()
+        rows = batch["input_ids"].shape[0]
+        totals: dict[str, float] = {}
+        for index in micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens):
+            loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
+            loss.backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+        grad_norm = self._sync_and_clip()
+        self.optimizer.step()
+        self._zero_grads()
+        return {"grad_norm": grad_norm, "lr": self.lr, **self._sum_over_dp(totals)}
+
+    def _sync_and_clip(self) -> float:
+        """All-reduce (sum) grads over DP, expose them as p.grad, clip by the global norm; return the norm."""
+        self.model.finish_grad_sync()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = p.main_grad
+        norm = self._grad_norm(params)
+        if self.grad_clip > 0 and norm > self.grad_clip:
+            scale = self.grad_clip / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        return norm
+
+    def _grad_norm(self, params: list[torch.nn.Parameter]) -> float:
+        """L2 norm of the whole model's gradient; TP-replicated params (norms, value head) counted once."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p, self.tp_group):
+                sq += p.grad.detach().double().pow(2).sum()
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        return math.sqrt(float(sq))
+
+    def _zero_grads(self) -> None:
+        self.model.zero_grad_buffer()
+        for p in self.model.parameters():
+            p.grad = None
+
+    def _sum_over_dp(self, totals: dict[str, float]) -> dict[str, float]:
+        if not totals or dist.get_world_size(self.dp_group) == 1:
+            return totals
+        keys = sorted(totals)
+        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return dict(zip(keys, t.tolist()))
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every parameter group (for a schedule driven by the caller)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ---- export --------------------------------------------------------------------------------------------
+
+    def _gather_tp_shards(self) -> list[StateDict] | None:
+        """Every TP rank's Megatron state dict (CPU, no `_extra_state`) on TP rank 0; None elsewhere.
+
+        Collective over the TP group: every TP rank must call it.
+        """
+        shard = {
+            k: v.detach() for k, v in self.model.module.state_dict().items() if not k.endswith("_extra_state")
+        }
+        tp = dist.get_world_size(self.tp_group)
+        if tp == 1:
+            return [{k: v.cpu() for k, v in shard.items()}]
+        is_root = dist.get_rank(self.tp_group) == 0
+        shards: list[StateDict] = [{} for _ in range(tp)]
+        for key, t in shard.items():
+            parts = [torch.empty_like(t) for _ in range(tp)] if is_root else None
+            dist.gather(t.contiguous(), parts, group=self.tp_group, group_dst=0)
+            if parts is not None:
+                for r, part in enumerate(parts):
+                    shards[r][key] = part.cpu()
+        return shards if is_root else None
+
+    def _is_writer(self) -> bool:
+        """TP rank 0 of DP rank 0: the one rank that writes files."""
+        return dist.get_rank(self.tp_group) == 0 and dist.get_rank(self.dp_group) == 0
+
+    # ---- offload -------------------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Move params (and those of `_frozen_modules`), grad buffers and optimizer state to host memory.
+
+        Device tensors keep their identity: each is copied to a host tensor and its device storage is freed
+        (resized to 0), so optimizer and DDP references stay valid. Grad buffers hold nothing between steps
+        and are only freed. On CPU the copy and free still happen (that is what the tests exercise).
+        """
+        if self._offloaded:
+            return
+        for t in self._offloadable():
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(t)
+            t.untyped_storage().resize_(0)
+            self._offloaded.append((t, host))
+        self.model.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=True)
+
+    def onload(self) -> None:
+        """Undo `offload`: reallocate device storage, copy the host copies back, re-create zeroed grad buffers."""
+        if not self._offloaded:
+            return
+        for t, host in self._offloaded:
+            t.untyped_storage().resize_(host.numel() * host.element_size())
+            t.copy_(host)
+        self._offloaded = []
+        self.model.restore_grad_buffers(synchronize=torch.cuda.is_available())
+
+    def _offloadable(self) -> list[torch.Tensor]:
+        """Params' data tensors and optimizer-state tensors, each storage once."""
+        tensors = [p.data for p in self.model.parameters()]
+        for module in self._frozen_modules():
+            tensors += [p.data for p in module.parameters()]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if torch.is_tensor(v) and v.numel() > 0]
+        unique: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            unique.setdefault(t.untyped_storage().data_ptr(), t)
+        return list(unique.values())
+
+
+def _wrap_ddp(model: torch.nn.Module):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def _make_adamw(model: torch.nn.Module, lr, weight_decay, betas) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+
+
+def write_hf_dir(
+    source_dir: Path, out_dir: str | Path, state_dict: StateDict, config_update: dict | None = None
+) -> Path:
+    """Write a HF directory: `source_dir`'s non-weight files (config, tokenizer, ...) + model.safetensors.
+
+    `config_update` entries are merged into the copied config.json.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for src in source_dir.iterdir():
+        if src.resolve() == (out / src.name).resolve():
+            continue  # saving over the source directory: keep its files
+        if src.is_file() and not src.name.endswith(".safetensors") and "safetensors.index" not in src.name:
+            shutil.copy2(src, out / src.name)
+    if config_update:
+        config = json.loads((out / "config.json").read_text())
+        config.update(config_update)
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
