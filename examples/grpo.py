@@ -12,34 +12,9 @@ the end. Departures from the GRPO paper: a single policy update per rollout batc
 start of each update), and token-mean loss aggregation over the global batch.
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
 from pathlib import Path
 
-import yatt_ray
-
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo.yaml"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-
-    try:
-        config = yatt_ray.load_config(args.config, args.overrides)
-        result = yatt_ray.fit(config)
-    except yatt_ray.YattError as exc:  # bad input: the message names the value and the fix
-        raise SystemExit(f"error: {exc}") from None
-
-    print(f"final checkpoint (Hugging Face format): {result.checkpoint_path}")
-
+from yatt_ray.cli import main
 
 if __name__ == "__main__":
-    main()
+    main(Path(__file__).parent / "configs" / "grpo.yaml", description=__doc__)

@@ -60,20 +60,52 @@ class RewardConfig:
     function: str = "exact_match"
 
 
+# algo.name -> its advantage estimator (algo.advantage overrides it)
+ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "remax": "remax"}
+
+
 @dataclass
 class AlgoConfig:
-    """The RL algorithm: advantage estimator, policy loss, KL to the reference and aggregation."""
+    """The RL algorithm: advantage estimator, policy loss, KL to the reference and aggregation.
+
+    `name` picks the algorithm (grpo, ppo, rloo, reinforce_pp, remax) and with it the advantage estimator;
+    `advantage` overrides the estimator by its registry name. KL to the reference model enters either the
+    loss (`kl_in_reward: false`, GRPO style) or the reward (`kl_in_reward: true`, PPO/RLHF style, with an
+    adaptive coefficient when `kl_target` is set).
+    """
 
     name: str = "grpo"
-    advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
+    advantage: str = ""  # "" = the estimator of `name`
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo
     clip_low: float = 0.2
     clip_high: float = 0.2
+    dual_clip: float | None = None  # > 1 + clip_high: caps the loss of negative-advantage tokens
     kl_coef: float = 0.001
     kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    kl_target: float | None = None  # adaptive KL coefficient (with kl_in_reward)
+    kl_horizon: int = 10000
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
     ppo_epochs: int = 1
+    gamma: float = 1.0  # GAE discount
+    lam: float = 1.0  # GAE lambda
+    tis_cap: float | None = 2.0  # truncated importance sampling for rollout/trainer mismatch; None disables
+
+    @property
+    def estimator(self) -> str:
+        return self.advantage or ALGORITHMS.get(self.name, self.name)
+
+
+@dataclass
+class CriticConfig:
+    """The value model for PPO: a Megatron trunk with a scalar head, colocated with the policy."""
+
+    enable: bool = False
+    path: str = ""  # "" = initialise the trunk from model.path; or a directory saved by a previous run
+    lr: float = 1e-3
+    value_clip: float | None = 0.2  # PPO value clipping around the old values; None disables
+    warmup_steps: int = 0  # steps that train only the critic before the policy starts to move
 
 
 @dataclass
@@ -89,6 +121,7 @@ class TrainConfig:
     dp_size: int = 1
     tp_size: int = 1
     seed: int = 0
+    max_tokens_per_micro_batch: int | None = None  # dynamic batching by token budget; None = micro_batch_size
 
 
 @dataclass
@@ -128,6 +161,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -258,23 +292,62 @@ def validate(config: Config) -> None:
         "(vLLM creates its process groups over all training ranks); use rollout.engine=auto (Hugging Face "
         "generate on the controller) or train.tp_size=1",
     )
-    need(a.name == "grpo", f"algo.name={a.name!r} is unknown; valid: grpo")
+    need(
+        a.name in ALGORITHMS,
+        f"algo.name={a.name!r} is unknown; valid: {', '.join(sorted(ALGORITHMS))} (or set algo.advantage)",
+    )
     need(
         0 < a.clip_low < 1,
         f"algo.clip_low={a.clip_low} must be in (0, 1): the ratio is clipped at 1 - clip_low",
     )
     need(a.clip_high > 0, f"algo.clip_high={a.clip_high} must be > 0")
+    if a.dual_clip is not None:
+        need(
+            a.dual_clip > 1 + a.clip_high,
+            f"algo.dual_clip={a.dual_clip} must exceed 1 + algo.clip_high = {1 + a.clip_high} (clip ranges out "
+            "of order: the dual clip bounds the loss above the upper clip)",
+        )
     need(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL term)")
+    if a.kl_target is not None:
+        need(
+            a.kl_in_reward,
+            "algo.kl_target (adaptive KL) acts on the KL reward penalty: set algo.kl_in_reward=true",
+        )
+        need(a.kl_target > 0 and a.kl_horizon > 0, "algo.kl_target and algo.kl_horizon must be > 0")
     need(a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
+    need(
+        0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"algo.gamma={a.gamma} and algo.lam={a.lam} must be in [0, 1]"
+    )
+    need(a.tis_cap is None or a.tis_cap >= 1, f"algo.tis_cap={a.tis_cap} must be >= 1 (or null to disable)")
     for key, value, registry in (
-        ("algo.advantage", a.advantage, ADVANTAGE_ESTIMATORS),
+        ("algo.advantage", a.estimator, ADVANTAGE_ESTIMATORS),
         ("algo.policy_loss", a.policy_loss, POLICY_LOSSES),
         ("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS),
         ("algo.loss_agg", a.loss_agg, LOSS_AGGREGATIONS),
     ):
         need(value in registry, f"{key}={value!r} is unknown; valid: {', '.join(sorted(registry.names()))}")
-    if a.advantage.startswith("grpo"):
-        need(r.n >= 2, f"rollout.n={r.n}: GRPO compares samples within a prompt's group; set rollout.n >= 2")
+    if a.estimator in ADVANTAGE_ESTIMATORS:
+        estimator = ADVANTAGE_ESTIMATORS.get(a.estimator)
+        need(
+            not estimator.needs_critic or config.critic.enable,
+            f"algo.advantage={a.estimator!r} needs a value model; set critic.enable=true (PPO) or pick an "
+            "estimator without a critic (grpo, rloo, reinforce_pp, remax)",
+        )
+        need(
+            not estimator.needs_group or r.n >= 2,
+            f"rollout.n={r.n}: {a.estimator} compares samples within a prompt's group; set rollout.n >= 2",
+        )
+    c = config.critic
+    need(c.lr > 0, f"critic.lr={c.lr} must be > 0")
+    need(c.value_clip is None or c.value_clip > 0, f"critic.value_clip={c.value_clip} must be > 0 (or null)")
+    need(
+        0 <= c.warmup_steps < t.steps,
+        f"critic.warmup_steps={c.warmup_steps} must be in [0, train.steps={t.steps})",
+    )
+    need(
+        t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
+        f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 1 (or null)",
+    )
     try:
         resolve_reward_fn(config.reward.function)
     except ConfigError as exc:

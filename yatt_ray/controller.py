@@ -17,17 +17,18 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from yatt_ray.algos import ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, tis_weights
 from yatt_ray.batch import pack
 from yatt_ray.config import Config
 from yatt_ray.errors import DataError
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.rollout.base import SamplingSpec
-from yatt_ray.step import StepInputs, group_advantages, grpo_loss_fn, reduce_metrics
+from yatt_ray.step import StepInputs, compute_advantages, policy_loss_fn, reduce_metrics, value_loss_fn
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,32 @@ class GroupController:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_src = parallel_state.get_tensor_model_parallel_src_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.critic = self._build_critic() if config.critic.enable else None
+        a = config.algo
+        self.kl_ctl = (
+            AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+            if a.kl_target is not None
+            else FixedKLController(a.kl_coef)
+        )  # every rank updates it from the same all-reduced KL, so all ranks agree
+        self.needs_greedy = ADVANTAGE_ESTIMATORS.get(a.estimator).needs_greedy_baseline
         self.timer = PhaseTimer()
         self.prompts_per_group = t.prompts_per_step // t.dp_size
         if self.layout.is_controller:
             self._init_controller(loop_config)
+
+    def _build_critic(self):
+        """The value model: from `critic.path`, or the policy's trunk with a fresh scalar head."""
+        from yatt_ray.train import MegatronCritic
+
+        cfg, t = self.config, self.config.train
+        return MegatronCritic(
+            cfg.critic.path or cfg.model.path,
+            tp_size=t.tp_size,
+            lr=cfg.critic.lr,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            seed=t.seed,
+        )
 
     def _init_controller(self, loop_config: dict) -> None:
         from transformers import AutoTokenizer
@@ -127,7 +150,7 @@ class GroupController:
         self._report_final({**last, **final_eval})
 
     def step(self, step: int) -> dict[str, float]:
-        """One GRPO step for this group; returns the step's metrics reduced over all groups."""
+        """One RL step for this group; returns the step's metrics reduced over all groups."""
         cfg, timer = self.config, self.timer
         timer.reset()
         start = time.perf_counter()
@@ -135,34 +158,29 @@ class GroupController:
             local = self._rollout() if self.layout.is_controller else None
         with timer.phase("reward"):
             if local is not None:
-                local.rewards = torch.tensor(
-                    [self.reward_fn(text, gt, src) for text, gt, src in local.scoring_inputs()],
-                    dtype=torch.float32,
-                )
+                self._score(local)
         local = self._broadcast_in_group(local)
         with timer.phase("logprobs"):
-            mb = cfg.train.micro_batch_size
-            old_logp, _ = self.policy.log_probs(local.batch["input_ids"], local.batch["attention_mask"], mb)
-            local.batch["old_logp"] = old_logp[:, local.prompt_width - 1 :]
-            if cfg.algo.kl_coef > 0:
-                ref_logp, _ = self.policy.log_probs(
-                    local.batch["input_ids"], local.batch["attention_mask"], mb, reference=True
-                )
-                local.batch["ref_logp"] = ref_logp[:, local.prompt_width - 1 :]
-        local.batch["advantages"] = group_advantages(local.rewards, local.batch["response_mask"], cfg)
-        global_tokens = self._dp_sum(local.batch["response_mask"].sum())
+            self._old_log_probs_and_values(local)
+        local.batch.update(compute_advantages(local, cfg, self.kl_ctl.value))
         with timer.phase("train"):
-            loss_fn = grpo_loss_fn(cfg.algo, local.prompt_width, global_tokens)
-            train_stats: dict[str, float] = {}
-            for _ in range(cfg.algo.ppo_epochs):
-                train_stats = self.policy.train_step(local.batch, loss_fn, mb)
+            train_stats = self._update(local, step)
         with timer.phase("weight_sync"):
-            self.sync_weights()
+            if self._policy_moves(step):
+                self.sync_weights()
         times = timer.totals()
         wall = time.perf_counter() - start
         compute = sum(times[p] for p in ("rollout", "reward", "logprobs", "train"))
         times.update(step=wall, other=max(wall - sum(times.values()), 0.0), orchestration=wall - compute)
-        return reduce_metrics(step, local, train_stats, times, self.layout.is_controller)
+        metrics = reduce_metrics(step, local, train_stats, times, self.layout.is_controller, cfg.algo)
+        metrics["kl_coef"] = self.kl_ctl.value
+        if "kl_per_sequence" in metrics:
+            self.kl_ctl.update(metrics["kl_per_sequence"], n_steps=int(metrics["samples"]))
+        return metrics
+
+    def _policy_moves(self, step: int) -> bool:
+        """False during the critic's warm-up steps, when only the value model trains."""
+        return step > self.config.critic.warmup_steps
 
     def _rollout(self) -> StepInputs:
         cfg = self.config
@@ -178,6 +196,10 @@ class GroupController:
         )
         self.engine.wake()
         completions = self.engine.generate(prompt_ids, spec)
+        greedy_texts = None
+        if self.needs_greedy:  # ReMax's baseline: one greedy response per prompt
+            greedy = self.engine.generate(prompt_ids, replace(spec, n=1, temperature=0.0))
+            greedy_texts = [self._decode(g[0].token_ids) for g in greedy]
         self.engine.sleep()
         flat = [c for group in completions for c in group]
         prompts = [p for p in prompt_ids for _ in range(cfg.rollout.n)]
@@ -191,7 +213,54 @@ class GroupController:
             n=cfg.rollout.n,
             truncated=sum(c.finish_reason == "length" for c in flat),
             prompts_clipped=sum(len(ids) > self.config.data.max_prompt_tokens for ids in encoded),
+            greedy_texts=greedy_texts,
         )
+
+    def _score(self, local: StepInputs) -> None:
+        """Rule rewards for every sample, and for the greedy responses when the estimator needs them."""
+        local.rewards = torch.tensor(
+            [self.reward_fn(text, gt, src) for text, gt, src in local.scoring_inputs()], dtype=torch.float32
+        )
+        if local.greedy_texts is not None:
+            n = local.n
+            prompts = zip(local.greedy_texts, local.ground_truths[::n], local.sources[::n])
+            local.greedy_rewards = torch.tensor([self.reward_fn(*p) for p in prompts], dtype=torch.float32)
+
+    def _old_log_probs_and_values(self, local: StepInputs) -> None:
+        """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens."""
+        cfg, b, width = self.config, local.batch, local.prompt_width
+        batching = {"micro_batch_size": cfg.train.micro_batch_size}
+        if cfg.train.max_tokens_per_micro_batch:
+            batching["max_tokens_per_micro_batch"] = cfg.train.max_tokens_per_micro_batch
+        ids, mask = b["input_ids"], b["attention_mask"]
+        b["old_logp"] = self.policy.log_probs(ids, mask, **batching)[0][:, width - 1 :]
+        if cfg.algo.kl_coef > 0:
+            b["ref_logp"] = self.policy.log_probs(ids, mask, reference=True, **batching)[0][:, width - 1 :]
+        if self.critic is not None:
+            b["values"] = self.critic.values(ids, mask, **batching)[:, width - 1 :]
+        if cfg.algo.tis_cap is not None:
+            b["tis_weights"] = tis_weights(b["old_logp"], b["rollout_logp"], cfg.algo.tis_cap)
+
+    def _update(self, local: StepInputs, step: int) -> dict[str, float]:
+        """Critic step (when there is one), then the policy's PPO epochs (after the critic's warm-up)."""
+        cfg, b, width = self.config, local.batch, local.prompt_width
+        batching: dict = {"micro_batch_size": cfg.train.micro_batch_size}
+        if cfg.train.max_tokens_per_micro_batch:
+            batching["max_tokens_per_micro_batch"] = cfg.train.max_tokens_per_micro_batch
+        global_tokens = self._dp_sum(b["response_mask"].sum())
+        global_seqs = self._dp_sum(torch.tensor(float(b["response_mask"].shape[0])))
+        stats: dict[str, float] = {}
+        if self.critic is not None:
+            critic_loss = value_loss_fn(cfg.critic.value_clip, width, global_tokens)
+            critic_stats = self.critic.train_step(b, critic_loss, **batching)
+            stats.update(
+                {f"critic/{k}" if not k.startswith("value") else k: v for k, v in critic_stats.items()}
+            )
+        if self._policy_moves(step):
+            loss_fn = policy_loss_fn(cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value)
+            for _ in range(cfg.algo.ppo_epochs):
+                stats.update(self.policy.train_step(b, loss_fn, **batching))
+        return stats
 
     def _decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
@@ -262,6 +331,8 @@ class GroupController:
         with tempfile.TemporaryDirectory() as tmp:
             export = os.path.join(tmp, "policy_hf")
             self.policy.save_hf(export)  # collective over the TP group; writes on TP rank 0
+            if self.critic is not None:
+                self.critic.save(os.path.join(tmp, "critic"))  # a HF LlamaForTokenClassification directory
             checkpoint = ray.train.Checkpoint.from_directory(tmp) if self.layout.rank == 0 else None
             ray.train.report(metrics, checkpoint=checkpoint)
 

@@ -10,13 +10,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from yatt_ray.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, aggregate, broadcast_to_tokens, kl_estimate
+from yatt_ray.algos import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    broadcast_to_tokens,
+    kl_estimate,
+    masked_whiten,
+    token_rewards_from_outcome,
+)
 from yatt_ray.config import AlgoConfig, Config
 
 
 @dataclass
 class StepInputs:
-    """One group's rollout: the packed batch (see yatt_ray.batch), decoded texts and their rewards [N]."""
+    """One group's rollout: the packed batch (see yatt_ray.batch), decoded texts and their rewards [N].
+
+    ReMax adds `greedy_rewards` [P]: the reward of one greedy response per prompt.
+    """
 
     batch: dict[str, torch.Tensor]
     prompt_width: int
@@ -27,39 +38,74 @@ class StepInputs:
     truncated: int = 0
     prompts_clipped: int = 0
     rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    greedy_rewards: torch.Tensor | None = None
+    greedy_texts: list[str] | None = None
 
     def scoring_inputs(self):
         return zip(self.texts, self.ground_truths, self.sources)
 
 
-def group_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, config: Config) -> torch.Tensor:
-    """Rewards [N] (N = prompts x n, a prompt's samples adjacent) -> per-token advantages [N, R]."""
-    n = config.rollout.n
-    per_prompt = rewards.reshape(-1, n)  # [P, n]
-    seq_adv = ADVANTAGE_ESTIMATORS.get(config.algo.advantage)(per_prompt).reshape(-1)  # [N]
-    return broadcast_to_tokens(seq_adv, response_mask)
+def compute_advantages(inputs: StepInputs, config: Config, kl_coef: float) -> dict[str, torch.Tensor]:
+    """Per-token advantages [N, R] (and, for GAE, the critic's returns [N, R]) for one group's batch.
+
+    Outcome estimators (grpo, rloo, reinforce_pp, remax) turn rewards [N] (a prompt's n samples adjacent)
+    into one advantage per sample, broadcast over its response tokens. GAE places the outcome reward on the
+    last response token and runs over the critic's values; its advantages are whitened over this group's
+    tokens. With `algo.kl_in_reward`, the per-token KL to the reference is a reward penalty:
+    r_t -= kl_coef * KL_t (GAE), or r -= kl_coef * sum_t KL_t (outcome estimators).
+    """
+    algo, batch = config.algo, inputs.batch
+    mask = batch["response_mask"]
+    estimator = ADVANTAGE_ESTIMATORS.get(algo.estimator)
+    kl = None
+    if algo.kl_in_reward and kl_coef > 0:
+        kl = kl_estimate(batch["old_logp"], batch["ref_logp"], algo.kl_estimator)
+    if estimator.token_level:
+        token_rewards = token_rewards_from_outcome(inputs.rewards, mask, kl, kl_coef)
+        advantages, returns = estimator.fn(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
+        return {"advantages": masked_whiten(advantages, mask), "returns": returns}
+    rewards = inputs.rewards if kl is None else inputs.rewards - kl_coef * (kl * mask).sum(-1)
+    groups = rewards.reshape(-1, config.rollout.n)  # [P, n]
+    if estimator.needs_greedy_baseline:
+        seq_adv = estimator.fn(groups, inputs.greedy_rewards)
+    else:
+        seq_adv = estimator.fn(groups)
+    return {"advantages": broadcast_to_tokens(seq_adv.reshape(-1), mask)}
 
 
-def grpo_loss_fn(algo: AlgoConfig, prompt_width: int, global_tokens: float):
-    """The per-micro-batch loss for MegatronPolicy.train_step.
+def policy_loss_fn(
+    algo: AlgoConfig, prompt_width: int, global_tokens: float, global_seqs: float, kl_coef: float
+):
+    """The per-micro-batch policy loss for MegatronPolicy.train_step.
 
-    loss = agg( pg(ratio, A) + kl_coef * KL_k(logp || ref) - entropy_coef * H ), aggregated with
-    `algo.loss_agg` over the *global* token count, so micro-batch and data-parallel shares sum to the
-    full-batch loss. Logged values are returned as shares too (they sum to batch means).
+    loss = agg( w_tis * pg(logp, old_logp, A) - entropy_coef * H + kl_coef * KL_k(logp || ref) ), where the
+    KL term is present only when KL is not already a reward penalty, and w_tis (truncated importance
+    weights for the rollout/trainer mismatch) only when `algo.tis_cap` is set. Aggregated with
+    `algo.loss_agg` over the *global* token / sequence counts, so micro-batch and data-parallel shares sum to
+    the full-batch loss. Logged values are token-mean shares too (they sum to batch means).
     """
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
+    kl_in_loss = kl_coef > 0 and not algo.kl_in_reward
 
     def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
         lp, ent = logp[:, prompt_width - 1 :], entropy[:, prompt_width - 1 :]
         mask = mb["response_mask"]
-        pg, stats = policy_loss(lp, mb["old_logp"], mb["advantages"], algo.clip_low, algo.clip_high)
+        options: dict = {"response_mask": mask}
+        if algo.dual_clip is not None:
+            options["dual_clip"] = algo.dual_clip
+        pg, stats = policy_loss(
+            lp, mb["old_logp"], mb["advantages"], algo.clip_low, algo.clip_high, **options
+        )
+        if "tis_weights" in mb:
+            pg = pg * mb["tis_weights"]
         per_token = pg - algo.entropy_coef * ent
         share = {"pg_loss": pg.detach(), "entropy": ent.detach(), "clipfrac": stats["clipped"]}
-        if algo.kl_coef > 0:
-            kl = kl_estimate(lp, mb["ref_logp"], algo.kl_estimator)
-            per_token = per_token + algo.kl_coef * kl
-            share["kl"] = kl.detach()
-        loss = aggregate(per_token, mask, algo.loss_agg, global_tokens=global_tokens)
+        if kl_in_loss:
+            per_token = per_token + kl_coef * kl_estimate(lp, mb["ref_logp"], algo.kl_estimator)
+        loss = aggregate(
+            per_token, mask, algo.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
+            norm_len=float(mask.shape[1]) if algo.loss_agg == "seq-mean-token-sum-norm" else None,
+        )  # fmt: skip
         metrics = {
             k: float(aggregate(v, mask, "token-mean", global_tokens=global_tokens)) for k, v in share.items()
         }
@@ -68,17 +114,44 @@ def grpo_loss_fn(algo: AlgoConfig, prompt_width: int, global_tokens: float):
     return loss_fn
 
 
+def value_loss_fn(value_clip: float | None, prompt_width: int, global_tokens: float):
+    """The per-micro-batch critic loss for MegatronCritic.train_step: token-mean of
+    0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clamp(V - V_old, -c, c) (PPO value clipping;
+    plain 0.5 (V - R)^2 when `value_clip` is None), over the global token count."""
+    from yatt_ray.algos import clipped_value_loss
+
+    def loss_fn(values: torch.Tensor, mb: dict[str, torch.Tensor]):
+        v = values[:, prompt_width - 1 :]
+        mask = mb["response_mask"]
+        per_token, stats = clipped_value_loss(v, mb["values"], mb["returns"], value_clip)
+        loss = aggregate(per_token, mask, "token-mean", global_tokens=global_tokens)
+        shares = {"value_loss": per_token.detach(), "value_clipfrac": stats["clipped"]}
+        metrics = {
+            k: float(aggregate(t, mask, "token-mean", global_tokens=global_tokens)) for k, t in shares.items()
+        }
+        return loss, metrics
+
+    return loss_fn
+
+
 _SUMS = (
-    "reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff", "prompts_clipped"
+    "reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff", "prompts_clipped",
+    "kl", "greedy_reward",
 )  # fmt: skip
 
 
-def local_sums(inputs: StepInputs) -> torch.Tensor:
-    """This group's additive statistics, in the order of _SUMS."""
+def local_sums(inputs: StepInputs, algo: AlgoConfig) -> torch.Tensor:
+    """This group's additive statistics, in the order of _SUMS (token sums over the response mask)."""
     b = inputs.batch
     mask = b["response_mask"]
     prompt_tokens = b["attention_mask"][:, : inputs.prompt_width].sum()
     diff = ((b["old_logp"] - b["rollout_logp"]).abs() * mask).sum()
+    kl = (
+        (kl_estimate(b["old_logp"], b["ref_logp"], algo.kl_estimator) * mask).sum()
+        if "ref_logp" in b
+        else 0.0
+    )
+    greedy = inputs.greedy_rewards.sum() if inputs.greedy_rewards is not None else 0.0
     values: list[float | int | torch.Tensor] = [
         inputs.rewards.sum(),
         (inputs.rewards >= 1.0).sum(),
@@ -88,12 +161,19 @@ def local_sums(inputs: StepInputs) -> torch.Tensor:
         inputs.truncated,
         diff,
         inputs.prompts_clipped,
+        kl,
+        greedy,
     ]
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
 
 def reduce_metrics(
-    step: int, inputs: StepInputs, train_stats: dict[str, float], times: dict[str, float], is_controller: bool
+    step: int,
+    inputs: StepInputs,
+    train_stats: dict[str, float],
+    times: dict[str, float],
+    is_controller: bool,
+    algo: AlgoConfig,
 ) -> dict[str, float]:
     """All-reduce the step's statistics over every worker: sums over controllers, max of times.
 
@@ -101,8 +181,10 @@ def reduce_metrics(
     the step outside every phase: batching, broadcasts, bookkeeping) and "orchestration" (the step less
     rollout, reward, log-prob and train compute: weight sync plus "other").
     Every rank must call it. Non-controller ranks hold copies of their group's batch and add zeros.
+    "kl" is the mean per-token KL(pi_old || ref) with `algo.kl_estimator`; "kl_per_sequence" its sum over a
+    response, averaged over samples (what an adaptive KL controller tracks).
     """
-    sums = local_sums(inputs) if is_controller else torch.zeros(len(_SUMS), dtype=torch.float64)
+    sums = local_sums(inputs, algo) if is_controller else torch.zeros(len(_SUMS), dtype=torch.float64)
     dist.all_reduce(sums)
     s = dict(zip(_SUMS, sums.tolist()))
     phase_names = sorted(times)
@@ -113,15 +195,20 @@ def reduce_metrics(
     samples, tokens = max(s["samples"], 1.0), max(s["response_tokens"], 1.0)
     metrics = {
         "step": float(step),
+        "samples": s["samples"],
         "reward_mean": s["reward"] / samples,
         "accuracy": s["correct"] / samples,
         "response_length": s["response_tokens"] / samples,
         "truncated_fraction": s["truncated"] / samples,
         "prompts_clipped": s["prompts_clipped"],
         "rollout_logp_diff": s["logp_diff"] / tokens,
+        "kl": s["kl"] / tokens,
+        "kl_per_sequence": s["kl"] / samples,
         "tokens_per_s": (s["response_tokens"] + s["prompt_tokens"]) / max(step_time, 1e-9),
         "time/step": step_time,
     }
+    if inputs.greedy_rewards is not None:
+        metrics["greedy_reward_mean"] = s["greedy_reward"] / (samples / inputs.n)
     metrics.update({f"time/{k}": v for k, v in maxima.items()})
     metrics.update(train_stats)
     return metrics

@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from yatt_ray.algos import LOSS_AGGREGATIONS, aggregate, token_mean
+from yatt_ray.algos import (
+    LOSS_AGGREGATIONS,
+    aggregate,
+    seq_mean_token_mean,
+    seq_mean_token_sum,
+    seq_mean_token_sum_norm,
+    token_mean,
+)
 from yatt_ray.errors import UnknownNameError
 
 F64 = torch.float64
@@ -31,7 +38,7 @@ def test_all_masked_and_bad_counts():
         aggregate(z, torch.ones(2, 3), "token-mean", global_tokens=0)
     with pytest.raises(ValueError, match=r"same shape|share one shape"):
         aggregate(z, torch.ones(3, 2), "token-mean")
-    with pytest.raises(UnknownNameError, match="valid: token-mean"):
+    with pytest.raises(UnknownNameError, match="valid: seq-mean-token-mean, .*, token-mean"):
         aggregate(z, z, "token-sum")
 
 
@@ -88,3 +95,101 @@ def test_micro_batches_and_ranks_sum_to_the_full_batch_value_and_gradient():
         aggregate(_per_token(w, x[rows]), mask[rows], "token-mean").item() for mb in ranks for rows in mb
     ]
     assert abs(sum(local_means) / len(local_means) - full.item()) > 1e-4  # ~9e-4 with this seed
+
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def test_sequence_modes_hand_computed_2x3():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # row 2 is an all-masked padding row: not counted
+    # per-sequence sums [1 + 2, 4] = [3, 4]; lengths [2, 1]; 2 non-empty sequences; width T = 3
+    # seq-mean-token-sum:       (3 + 4) / 2 = 3.5;          with global_seqs = 4: 7 / 4
+    # seq-mean-token-mean:      (3/2 + 4/1) / 2 = 2.75;     with global_seqs = 4: 5.5 / 4
+    # seq-mean-token-sum-norm:  7 / (2 * 3) = 7/6;          with norm_len = 7: 7 / 14 = 0.5
+    cases = [
+        ("seq-mean-token-sum", {}, 3.5),
+        ("seq-mean-token-sum", {"global_seqs": 4}, 7 / 4),
+        ("seq-mean-token-mean", {}, 2.75),
+        ("seq-mean-token-mean", {"global_seqs": 4}, 5.5 / 4),
+        ("seq-mean-token-sum-norm", {}, 7 / 6),
+        ("seq-mean-token-sum-norm", {"norm_len": 7}, 0.5),
+        ("seq-mean-token-sum-norm", {"global_seqs": 4, "norm_len": 7}, 7 / 28),
+        ("token-mean", {"norm_len": 7}, 7 / 3),  # token-mean ignores norm_len
+    ]
+    for mode, kwargs, expected in cases:
+        assert aggregate(per_token, mask, mode, **kwargs).item() == pytest.approx(expected, abs=1e-15), mode
+    assert LOSS_AGGREGATIONS.get("seq-mean-token-sum") is seq_mean_token_sum
+    assert LOSS_AGGREGATIONS.get("seq-mean-token-mean") is seq_mean_token_mean
+    assert LOSS_AGGREGATIONS.get("seq-mean-token-sum-norm") is seq_mean_token_sum_norm
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_masks_padding_handles_empty_and_checks_counts(mode):
+    per_token = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+    mask = torch.tensor([[True, False], [False, True]])
+    assert torch.isfinite(aggregate(per_token, mask, mode))
+    assert aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode).item() == 0.0
+    name = "global_tokens" if mode == "token-mean" else "global_seqs"
+    with pytest.raises(ValueError, match=f"{name} must be > 0"):
+        aggregate(torch.ones(2, 3), torch.ones(2, 3), mode, **{name: 0})
+    if mode == "seq-mean-token-sum-norm":
+        with pytest.raises(ValueError, match="norm_len must be > 0"):
+            aggregate(torch.ones(2, 3), torch.ones(2, 3), mode, norm_len=0)
+
+
+def test_sequence_modes_loop_matches_vectorised():
+    gen = torch.Generator().manual_seed(3)
+    per_token = torch.randn(5, 6, generator=gen, dtype=F64)
+    mask = torch.rand(5, 6, generator=gen) < 0.6
+    mask[2] = False
+    seq_sums, seq_means = [], []
+    for b in range(5):
+        values = [per_token[b, t].item() for t in range(6) if mask[b, t]]
+        if values:
+            seq_sums.append(sum(values))
+            seq_means.append(sum(values) / len(values))
+    n = len(seq_sums)
+    expected = {
+        "seq-mean-token-sum": sum(seq_sums) / n,
+        "seq-mean-token-mean": sum(seq_means) / n,
+        "seq-mean-token-sum-norm": sum(seq_sums) / (n * 6),
+    }
+    for mode, value in expected.items():
+        assert aggregate(per_token, mask, mode).item() == pytest.approx(value, abs=1e-14), mode
+
+
+def _global_denominators(mask):
+    return {
+        "global_tokens": float(mask.sum()),
+        "global_seqs": float((mask.sum(1) > 0).sum()),
+        "norm_len": float(mask.shape[1]),
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("trim", [False, True])
+def test_every_mode_splits_into_micro_batches_and_ranks(mode, trim):
+    # 2 simulated data-parallel ranks x 2 micro-batches each (unequal sizes); one micro-batch also carries an
+    # all-masked padding row. trim=True cuts each micro-batch to its own longest response, as dynamic padding
+    # does: then only the explicit norm_len keeps "seq-mean-token-sum-norm" consistent.
+    x, mask = _batch()
+    x = torch.cat([x, torch.randn(1, 6, 3, generator=torch.Generator().manual_seed(9), dtype=F64)])
+    mask = torch.cat([mask, torch.zeros(1, 6, dtype=torch.bool)])  # row 6: padding
+    w_full = torch.tensor([0.3, -0.2, 0.5], dtype=F64, requires_grad=True)
+    full = aggregate(_per_token(w_full, x), mask, mode)
+    full.backward()
+
+    denominators = _global_denominators(mask)  # all-reduced once per step by the trainer
+    w = torch.tensor([0.3, -0.2, 0.5], dtype=F64, requires_grad=True)
+    ranks = [[[0, 6], [1, 2]], [[3, 4], [5]]]
+    total_value = 0.0
+    for micro_batches in ranks:
+        for rows in micro_batches:
+            width = int(mask[rows].sum(1).max()) if trim else mask.shape[1]
+            part = aggregate(_per_token(w, x[rows, :width]), mask[rows, :width], mode, **denominators)
+            part.backward()
+            total_value += part.item()
+
+    assert total_value == pytest.approx(full.item(), abs=1e-14)
+    torch.testing.assert_close(w.grad, w_full.grad, rtol=0, atol=1e-14)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from yatt_ray.algos import KL_ESTIMATORS, kl_estimate
+from yatt_ray.algos import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_low_var
 from yatt_ray.errors import UnknownNameError
 
 F64 = torch.float64
@@ -91,5 +91,58 @@ def test_low_precision_promoted_and_shapes_checked():
 
 
 def test_unknown_kind():
-    with pytest.raises(UnknownNameError, match="valid: k1, k2, k3"):
+    with pytest.raises(UnknownNameError, match="valid: k1, k2, k3, low_var_kl"):
         kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+
+
+def test_low_var_kl_is_k3_capped_at_10():
+    # d = ref - logp: d = 2 -> k3 = e^2 - 3 = 4.389 (under the cap); d = 3 -> e^3 - 4 = 16.09 -> 10;
+    # d = -50 -> clamped to -20 by k3: e^-20 + 19 -> capped at 10;  d = 0.6 -> e^0.6 - 1.6
+    logp = torch.zeros(1, 4, dtype=F64, requires_grad=True)
+    ref = torch.tensor([[2.0, 3.0, -50.0, 0.6]], dtype=F64)
+    out = kl_estimate(logp, ref, "low_var_kl")
+    expected = torch.tensor([[math.e**2 - 3, 10.0, 10.0, math.exp(0.6) - 1.6]], dtype=F64)
+    torch.testing.assert_close(out.detach(), expected, rtol=0, atol=1e-14)
+    out.sum().backward()
+    # gradient 1 - e^d inside the cap, 0 where capped
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[1 - math.e**2, 0.0, 0.0, 1 - math.exp(0.6)]], dtype=F64), rtol=0, atol=1e-14
+    )
+    assert KL_ESTIMATORS.get("low_var_kl") is kl_low_var
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    k3 = kl_estimate(a, b, "k3")
+    inside = k3 < 10
+    assert 0 < int(inside.sum()) < 15  # this data is on both sides of the cap
+    assert torch.equal(kl_low_var(a, b), torch.where(inside, k3, 10.0))  # identical to k3 inside the cap
+
+
+def test_adaptive_kl_controller_hand_computed():
+    ctl = AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10_000)
+    # KL 9: error = clip(9/6 - 1 = 0.5, -0.2, 0.2) = 0.2; factor 1 + 0.2 * 1000 / 10000 = 1.02 -> 0.102
+    ctl.update(9.0, n_steps=1000)
+    assert ctl.value == pytest.approx(0.102, abs=1e-15)
+    # KL 5.4: error = 0.9 - 1 = -0.1 (inside the clip); factor 1 - 0.1 * 0.2 = 0.98 -> 0.09996
+    ctl.update(5.4, n_steps=2000)
+    assert ctl.value == pytest.approx(0.09996, abs=1e-15)
+    # KL 0: error = clip(-1) = -0.2; factor 1 - 0.2 * 0.05 = 0.99 -> 0.0989604
+    ctl.update(0.0, n_steps=500)
+    assert ctl.value == pytest.approx(0.0989604, abs=1e-15)
+    # n_steps far beyond 5 * horizon: the factor is floored at 0, the coefficient never goes negative
+    ctl.update(0.0, n_steps=100_000)
+    assert ctl.value == 0.0
+    for kwargs, match in (
+        ({"init_coef": -1.0, "target": 1.0, "horizon": 1.0}, "init_coef must be >= 0"),
+        ({"init_coef": 0.1, "target": 0.0, "horizon": 1.0}, "target must be > 0"),
+        ({"init_coef": 0.1, "target": 1.0, "horizon": 0.0}, "horizon must be > 0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            AdaptiveKLController(**kwargs)
+
+
+def test_fixed_kl_controller():
+    ctl = FixedKLController(0.05)
+    ctl.update(100.0, n_steps=10**6)
+    assert ctl.value == 0.05
+    with pytest.raises(ValueError, match="must be >= 0"):
+        FixedKLController(-0.1)

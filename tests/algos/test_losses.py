@@ -3,7 +3,15 @@ import math
 import pytest
 import torch
 
-from yatt_ray.algos import POLICY_LOSSES, ppo_clip_loss
+from yatt_ray.algos import (
+    POLICY_LOSSES,
+    aggregate,
+    cispo_loss,
+    gspo_loss,
+    mismatch_stats,
+    ppo_clip_loss,
+    tis_weights,
+)
 
 F64 = torch.float64
 
@@ -81,6 +89,7 @@ def test_log_ratio_clamp_keeps_loss_finite():
 
 def test_registered_and_validation():
     assert POLICY_LOSSES.get("ppo_clip") is ppo_clip_loss
+    assert POLICY_LOSSES.get("gspo") is gspo_loss and POLICY_LOSSES.get("cispo") is cispo_loss
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="broadcast_to_tokens"):
         ppo_clip_loss(z, z, torch.zeros(2))
@@ -89,3 +98,164 @@ def test_registered_and_validation():
     with pytest.raises(ValueError, match="clip_high must be >= 0"):
         ppo_clip_loss(z, z, z, clip_high=-0.1)
     assert ppo_clip_loss(z.bfloat16(), z.bfloat16(), z.bfloat16())[0].dtype == torch.float32
+
+
+# --- dual clip ------------------------------------------------------------------------------------------------
+
+
+def test_dual_clip_hand_computed_with_gradient():
+    # clip range [0.8, 1.2], dual clip c = 3 (caps the loss of A < 0 tokens at -c * A)
+    #   r=1.5, A=-1: ppo = max(1.5, 1.2) = 1.5; cap 3 -> 1.5, grad -r*A = 1.5
+    #   r=5.0, A=-1: ppo = max(5.0, 1.2) = 5.0; cap 3 -> 3 (dual clipped), grad 0
+    #   r=5.0, A=+1: ppo = -min(5, 1.2) = -1.2 (clipped; A > 0, no cap), grad 0
+    #   r=0.5, A=-2: ppo = max(1.0, 1.6) = 1.6 (clipped); cap 6 -> 1.6, grad 0
+    logp, old = _logp_from_ratios([[1.5, 5.0, 5.0, 0.5]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -2.0]], dtype=F64)
+    loss, stats = ppo_clip_loss(logp, old, adv, dual_clip=3.0)
+    torch.testing.assert_close(loss, torch.tensor([[1.5, 3.0, -1.2, 1.6]], dtype=F64), rtol=0, atol=1e-14)
+    assert stats["dual_clipped"].tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert stats["clipped"].tolist() == [[0.0, 0.0, 1.0, 1.0]]
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[1.5, 0.0, 0.0, 0.0]], dtype=F64), rtol=0, atol=1e-14)
+    # without dual clip the r=5, A=-1 token costs 5, and the stat is all zeros
+    plain, stats = ppo_clip_loss(logp.detach(), old, adv)
+    assert plain[0, 1].item() == pytest.approx(5.0, abs=1e-14) and not stats["dual_clipped"].any()
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        ppo_clip_loss(logp, old, adv, dual_clip=1.0)
+
+
+# --- GSPO -----------------------------------------------------------------------------------------------------
+
+
+def test_gspo_hand_computed_with_gradient():
+    # clip range [0.8, 1.2]; old_logp = 0, so the token log-ratios are the logp values
+    # row 0: mask [1, 1, 0]: log-ratios [0.1, -0.3] -> mean -0.1 -> s = e^-0.1 = 0.904837...; A = 1, unclipped
+    #        loss = -s on both tokens; aggregated seq-mean-token-mean: d(-s)/d logp_t = -s * (1/2) per token
+    # row 1: mask [1, 1, 1]: log-ratios [0.5, 0.5, 0.5] -> s = e^0.5 = 1.6487 > 1.2; A = 1 -> clipped: -1.2, grad 0
+    logp = torch.tensor([[0.1, -0.3, float("-inf")], [0.5, 0.5, 0.5]], dtype=F64, requires_grad=True)
+    old = torch.zeros(2, 3, dtype=F64)
+    adv = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, stats = gspo_loss(logp, old, adv, 0.2, 0.2, response_mask=mask)
+    s = math.exp(-0.1)
+    torch.testing.assert_close(
+        loss, torch.tensor([[-s, -s, 0.0], [-1.2, -1.2, -1.2]], dtype=F64), rtol=0, atol=1e-15
+    )
+    torch.testing.assert_close(
+        stats["ratio"], torch.tensor([[s] * 3, [math.exp(0.5)] * 3], dtype=F64), rtol=0, atol=1e-15
+    )
+    assert stats["clipped"].tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    # seq-mean-token-mean: (-s + -1.2) / 2 sequences
+    total = aggregate(loss, mask, "seq-mean-token-mean")
+    assert total.item() == pytest.approx((-s - 1.2) / 2, abs=1e-15)
+    total.backward()
+    # d total / d logp[0, t] = (1/2 sequences) * (-s / 2 tokens); row 1 clipped: 0; the -inf padding: 0
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[-s / 4, -s / 4, 0.0], [0.0, 0.0, 0.0]], dtype=F64), rtol=0, atol=1e-15
+    )
+
+
+def test_gspo_token_form_matches_sequence_level_value_and_gradient():
+    gen = torch.Generator().manual_seed(6)
+    batch, width = 6, 7
+    lengths = torch.tensor([7, 2, 5, 1, 4, 6])
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    old = torch.randn(batch, width, generator=gen, dtype=F64) - 2
+    # choose each row's mean log-ratio so that both sides of the GSPO clip range [1 - 3e-4, 1 + 4e-4] occur
+    target = torch.tensor([1e-4, 1e-3, -1e-3, -2e-4, 6e-4, -5e-4], dtype=F64)
+    noise = torch.randn(batch, width, generator=gen, dtype=F64) * 1e-3
+    noise_mean = (noise * mask).sum(1, keepdim=True) / lengths.unsqueeze(1)
+    logp0 = old + torch.where(mask, noise - noise_mean + target.unsqueeze(1), torch.zeros(()))
+    seq_adv = torch.tensor([1.0, 1.0, -1.0, -0.5, 2.0, 1.5], dtype=F64)
+    adv = torch.where(mask, seq_adv.unsqueeze(1), torch.zeros(()))
+
+    logp = logp0.clone().requires_grad_(True)
+    loss, stats = gspo_loss(logp, old, adv, response_mask=mask)  # defaults 3e-4 / 4e-4
+    value = aggregate(loss, mask, "seq-mean-token-mean")
+    value.backward()
+
+    # the sequence-level objective, computed directly
+    logp_ref = logp0.clone().requires_grad_(True)
+    log_s = ((logp_ref - old) * mask).sum(1) / lengths
+    s = torch.exp(log_s)
+    objective = torch.minimum(s * seq_adv, s.clamp(1 - 3e-4, 1 + 4e-4) * seq_adv)
+    direct = -objective.mean()
+    direct.backward()
+
+    assert value.item() == pytest.approx(direct.item(), abs=1e-14)
+    torch.testing.assert_close(logp.grad, logp_ref.grad, rtol=0, atol=1e-14)
+    clipped_rows = stats["clipped"][:, 0].tolist()
+    assert clipped_rows == [0.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # both branches exercised
+    with pytest.raises(ValueError, match="gspo needs response_mask"):
+        gspo_loss(logp, old, adv)
+
+
+# --- CISPO ----------------------------------------------------------------------------------------------------
+
+
+def test_cispo_hand_computed_with_gradient():
+    # ratios [1.5, 0.5, 1.1], A = [1, -1, 2], weight bounds [0.8, 1.2] -> w = [1.2, 0.8, 1.1] (detached)
+    # loss = -w * A * logp with logp = ln(ratio):  [-1.2 ln 1.5, 0.8 ln 0.5, -2.2 ln 1.1]
+    # grad = -w * A = [-1.2, 0.8, -2.2]: clipped tokens keep a gradient (PPO would give 0 for the first two)
+    logp, old = _logp_from_ratios([[1.5, 0.5, 1.1]])
+    adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=F64)
+    loss, stats = cispo_loss(logp, old, adv, clip_low=0.2, clip_high=0.2)
+    expected = [[-1.2 * math.log(1.5), 0.8 * math.log(0.5), -2.2 * math.log(1.1)]]
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=F64), rtol=0, atol=1e-15)
+    assert stats["clipped"].tolist() == [[1.0, 1.0, 0.0]]
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.2, 0.8, -2.2]], dtype=F64), rtol=0, atol=1e-15)
+    # default clip_low = 1: no lower bound, so the 0.5 ratio is its own weight (grad -0.5 * -1 = 0.5)
+    logp.grad = None
+    loss, stats = cispo_loss(logp, old, adv)
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.2, 0.5, -2.2]], dtype=F64), rtol=0, atol=1e-15)
+    assert stats["clipped"].tolist() == [[1.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match=r"clip_low must be in \[0, 1\]"):
+        cispo_loss(logp, old, adv, clip_low=1.5)
+
+
+def test_cispo_gradient_equals_ppo_on_policy():
+    # at logp == old_logp every ratio is 1 (unclipped): both gradients are -A
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(3, 4, generator=gen, dtype=F64) - 1
+    adv = torch.randn(3, 4, generator=gen, dtype=F64)
+    grads = []
+    for fn in (ppo_clip_loss, cispo_loss):
+        logp = base.clone().requires_grad_(True)
+        fn(logp, base, adv)[0].sum().backward()
+        grads.append(logp.grad)
+    torch.testing.assert_close(grads[0], -adv, rtol=0, atol=1e-15)
+    torch.testing.assert_close(grads[1], -adv, rtol=0, atol=1e-15)
+
+
+# --- truncated importance sampling ------------------------------------------------------------------------------
+
+
+def test_tis_weights_hand_computed():
+    # old - rollout = [0, ln 1.5, ln 3, 100 (clamped to 20), -100 (clamped to -20)], cap 2
+    #   -> [1, 1.5, min(3, 2) = 2, min(e^20, 2) = 2, e^-20]
+    rollout = torch.zeros(1, 5, dtype=F64)
+    old = torch.tensor([[0.0, math.log(1.5), math.log(3.0), 100.0, -100.0]], dtype=F64, requires_grad=True)
+    w = tis_weights(old, rollout, cap=2.0)
+    torch.testing.assert_close(
+        w, torch.tensor([[1.0, 1.5, 2.0, 2.0, math.exp(-20)]], dtype=F64), rtol=1e-15, atol=0
+    )
+    assert not w.requires_grad
+    assert tis_weights(old.float(), rollout.bfloat16()).dtype == torch.float32
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        tis_weights(old, rollout, cap=0.0)
+
+
+def test_mismatch_stats_hand_computed():
+    # masked tokens: diffs |-1 - -1.5| = 0.5 and 0; the third token is masked (its 5.0 must not count)
+    # k3 of KL(rollout || old) with logp = rollout, ref = old: d = old - rollout = 0.5, 0 -> e^0.5 - 1.5, 0
+    old = torch.tensor([[-1.0, -2.0, 0.0]], dtype=F64)
+    rollout = torch.tensor([[-1.5, -2.0, 5.0]], dtype=F64)
+    stats = mismatch_stats(old, rollout, torch.tensor([[1, 1, 0]]))
+    assert float(stats["logp_abs_diff_mean"]) == pytest.approx(0.25, abs=1e-15)
+    assert float(stats["logp_abs_diff_max"]) == pytest.approx(0.5, abs=1e-15)
+    assert float(stats["kl_k3_mean"]) == pytest.approx((math.exp(0.5) - 1.5) / 2, abs=1e-15)
+    assert float(stats["tokens"]) == 2.0
+    empty = mismatch_stats(old, rollout, torch.zeros(1, 3))
+    assert all(float(v) == 0.0 for v in empty.values())

@@ -51,7 +51,8 @@ def test_unknown_name_lists_valid_names_sorted():
         ADVANTAGE_ESTIMATORS.get("grpoo")
     assert (
         str(info.value)
-        == "unknown advantage estimator 'grpoo'; valid: grpo, grpo_no_std (did you mean 'grpo'?)"
+        == "unknown advantage estimator 'grpoo'; valid: gae, grpo, grpo_no_std, reinforce_pp, "
+        "reinforce_pp_baseline, remax, rloo (did you mean 'grpo'?)"
     )
     assert isinstance(info.value, KeyError) and isinstance(info.value, ConfigError)
     # survives a Ray boundary (pickle) with its message
@@ -60,7 +61,9 @@ def test_unknown_name_lists_valid_names_sorted():
 
 
 def test_unknown_name_without_close_match_and_empty_registry():
-    with pytest.raises(UnknownNameError, match=r"^unknown KL estimator 'zzz'; valid: k1, k2, k3$"):
+    with pytest.raises(
+        UnknownNameError, match=r"^unknown KL estimator 'zzz'; valid: k1, k2, k3, low_var_kl$"
+    ):
         KL_ESTIMATORS.get("zzz")
     with pytest.raises(UnknownNameError, match=r"valid: \(none registered\)"):
         Registry("widget").get("a")
@@ -69,8 +72,44 @@ def test_unknown_name_without_close_match_and_empty_registry():
 
 
 def test_library_registries_are_filled():
-    assert ADVANTAGE_ESTIMATORS.names() == ["grpo", "grpo_no_std"]
-    assert ADVANTAGE_ESTIMATORS.get("grpo") is grpo_advantages
-    assert KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
-    assert POLICY_LOSSES.names() == ["ppo_clip"]
-    assert LOSS_AGGREGATIONS.names() == ["token-mean"]
+    assert ADVANTAGE_ESTIMATORS.names() == [
+        "gae",
+        "grpo",
+        "grpo_no_std",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "remax",
+        "rloo",
+    ]
+    assert ADVANTAGE_ESTIMATORS.get("grpo").fn is grpo_advantages
+    assert KL_ESTIMATORS.names() == ["k1", "k2", "k3", "low_var_kl"]
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo_clip"]
+    assert LOSS_AGGREGATIONS.names() == [
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "token-mean",
+    ]
+
+
+def test_describe_table():
+    reg: Registry = Registry("widget")
+
+    @reg.register("long_name")
+    def f():
+        """First line.
+
+        More."""
+
+    reg.register("x")(lambda: None)
+    assert reg.describe() == "long_name  First line.\nx"
+    table = ADVANTAGE_ESTIMATORS.describe().splitlines()
+    assert (
+        len(table) == 7 and table[0].startswith("gae  ") and table[0].endswith("[needs critic, token-level]")
+    )
+    assert Registry("widget").describe() == ""
+
+
+def test_advantage_estimator_names_are_checked_for_duplicates():
+    with pytest.raises(DuplicateNameError, match="advantage estimator 'grpo' is already registered"):
+        ADVANTAGE_ESTIMATORS.register("grpo")

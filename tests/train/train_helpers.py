@@ -29,3 +29,27 @@ def make_loss_fn(global_tokens: float, entropy_coef: float = 0.01):
         return loss, {"loss": loss.detach(), "tokens": mask.sum()}
 
     return loss_fn
+
+
+def make_value_batch(n_rows: int = 4, length: int = 10, seed: int = 0, left_pad: bool = True) -> dict:
+    """`make_batch` plus returns [n, T-1]: the regression target of the value at each column."""
+    batch = make_batch(n_rows, length, seed, left_pad)
+    g = torch.Generator().manual_seed(seed + 100)
+    batch["returns"] = torch.randn(n_rows, length - 1, generator=g)
+    return batch
+
+
+def make_value_loss_fn(global_tokens: float):
+    """0.5 * (V - return)^2 over columns whose next token is real, divided by the GLOBAL token count."""
+
+    def loss_fn(values, mb):
+        mask = mb["attention_mask"][:, 1:].float()
+        loss = (0.5 * (values - mb["returns"]).pow(2) * mask).sum() / global_tokens
+        return loss, {"loss": loss.detach(), "tokens": mask.sum()}
+
+    return loss_fn
+
+
+def real_tokens(batch: dict) -> float:
+    """The normaliser of both losses: real next tokens in the whole batch."""
+    return float(batch["attention_mask"][:, 1:].sum())

@@ -4,7 +4,7 @@ import torch
 
 from yatt_ray.batch import pack
 from yatt_ray.config import Config
-from yatt_ray.step import group_advantages, grpo_loss_fn
+from yatt_ray.step import StepInputs, compute_advantages, policy_loss_fn
 
 
 def test_pack_layout():
@@ -16,12 +16,16 @@ def test_pack_layout():
     torch.testing.assert_close(batch["rollout_logp"], torch.tensor([[-0.5, -0.1], [-0.3, 0.0]]))
 
 
+def inputs_for(rewards, mask, **batch):
+    return StepInputs({"response_mask": mask, **batch}, 1, [""] * len(rewards), [], [], n=2, rewards=rewards)
+
+
 def test_group_advantages_are_per_prompt_and_masked():
     cfg = Config()
     cfg.rollout.n = 2
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])  # prompt 0: one right one wrong; prompt 1: both right
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
-    adv = group_advantages(rewards, mask, cfg)
+    adv = compute_advantages(inputs_for(rewards, mask), cfg, kl_coef=0.0)["advantages"]
     # prompt 0: mean 0.5, unbiased std sqrt(0.5) -> +-0.5/0.7071 = +-0.7071; prompt 1: all equal -> 0
     expected = torch.tensor([[0.70710, 0.70710], [-0.70710, 0.0], [0.0, 0.0], [0.0, 0.0]])
     torch.testing.assert_close(adv, expected, atol=1e-4, rtol=0)
@@ -40,11 +44,36 @@ def test_loss_shares_sum_to_full_batch_loss():
         "ref_logp": torch.randn(n, width_r),
         "advantages": torch.randn(n, width_r),
     }
-    fn = grpo_loss_fn(cfg.algo, width_p, float(mask.sum()))
+    fn = policy_loss_fn(cfg.algo, width_p, float(mask.sum()), float(n), kl_coef=0.001)
     full, full_metrics = fn(logp, entropy, mb)
     halves = [
         fn(logp[i : i + 2], entropy[i : i + 2], {k: v[i : i + 2] for k, v in mb.items()}) for i in (0, 2)
     ]
     torch.testing.assert_close(halves[0][0] + halves[1][0], full)
-    for key in ("pg_loss", "kl", "entropy", "clipfrac"):
+    for key in ("pg_loss", "entropy", "clipfrac"):
         assert abs(halves[0][1][key] + halves[1][1][key] - full_metrics[key]) < 1e-6
+
+
+def test_kl_as_reward_penalty_lowers_outcome_rewards():
+    """rloo with KL in the reward: r_i - kl_coef * sum_t KL_t, then the leave-one-out baseline."""
+    cfg = Config()
+    cfg.rollout.n, cfg.algo.name, cfg.algo.kl_in_reward, cfg.algo.kl_estimator = 2, "rloo", True, "k1"
+    mask = torch.ones(2, 2)
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    ref = torch.tensor([[-2.0, -2.0], [-1.0, -1.0]])  # k1 = old - ref: row 0 has KL 1 per token, row 1 none
+    out = compute_advantages(inputs_for(torch.tensor([1.0, 1.0]), mask, old_logp=old, ref_logp=ref), cfg, 0.5)
+    # rewards become [1 - 0.5 * 2, 1 - 0] = [0, 1]; rloo: [0 - 1, 1 - 0] = [-1, 1]
+    torch.testing.assert_close(out["advantages"], torch.tensor([[-1.0, -1.0], [1.0, 1.0]]))
+
+
+def test_gae_advantages_are_whitened_and_returns_kept():
+    cfg = Config()
+    cfg.algo.name, cfg.critic.enable = "ppo", True
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    values = torch.tensor([[0.5, 0.5, 9.0], [0.0, 0.0, 0.0]])
+    out = compute_advantages(inputs_for(torch.tensor([1.0, 0.0]), mask, values=values), cfg, 0.0)
+    # gamma = lam = 1: returns are the reward-to-go (1 on row 0, 0 on row 1), 0 on padding
+    torch.testing.assert_close(out["returns"], torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    adv = out["advantages"][mask.bool()]
+    assert abs(adv.mean().item()) < 1e-6 and abs(adv.std().item() - 1.0) < 1e-3
+    assert out["advantages"][0, 2].item() == 0.0

@@ -299,7 +299,9 @@ def gae_advantages(
     """
     _check_token_shapes(token_rewards=token_rewards, values=values, response_mask=response_mask)
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
-        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}; LLM PPO uses gamma=1")
+        raise ValueError(
+            f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}; LLM PPO uses gamma=1"
+        )
     dtype = _float_dtype(token_rewards, values)
     with torch.no_grad():
         mask = response_mask.bool()
@@ -384,7 +386,9 @@ def token_rewards_from_outcome(
     out[torch.arange(batch, device=out.device), last] = seq_rewards.detach().to(dtype)
     if kl is not None:
         if kl.shape != response_mask.shape:
-            raise ValueError(f"kl must have shape [B, T] = {tuple(response_mask.shape)}, got {tuple(kl.shape)}")
+            raise ValueError(
+                f"kl must have shape [B, T] = {tuple(response_mask.shape)}, got {tuple(kl.shape)}"
+            )
         out = out - kl_coef * torch.where(mask, kl.detach().to(dtype), 0.0)
     return out
 

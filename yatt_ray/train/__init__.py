@@ -4,12 +4,15 @@ Importing this package does not import Megatron; the functions that need it impo
 """
 
 from yatt_ray.train.cpu_shims import apply_cpu_shims
+from yatt_ray.train.critic import MegatronCritic
 from yatt_ray.train.hf_convert import LlamaShape, check_tp_size, hf_to_megatron, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
+from yatt_ray.train.micro_batches import plan_micro_batches
 from yatt_ray.train.model import (
     build_gpt_model,
     init_parallel_state,
     load_hf_weights,
+    load_megatron_shard,
     read_hf_state_dict,
     seed_everything,
     transformer_config,
@@ -19,6 +22,7 @@ from yatt_ray.train.policy import MegatronPolicy
 
 __all__ = [
     "LlamaShape",
+    "MegatronCritic",
     "MegatronPolicy",
     "PackedRows",
     "apply_cpu_shims",
@@ -27,8 +31,10 @@ __all__ = [
     "hf_to_megatron",
     "init_parallel_state",
     "load_hf_weights",
+    "load_megatron_shard",
     "megatron_to_hf",
     "pack_rows",
+    "plan_micro_batches",
     "read_hf_state_dict",
     "seed_everything",
     "token_logprobs_and_entropy",

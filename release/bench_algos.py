@@ -1,0 +1,162 @@
+"""Time the algorithm functions of one step (advantages, policy loss + KL + aggregation, forward and backward)
+on a realistic batch, on the CPU.
+
+    python release/bench_algos.py                          # 1,024 sequences x 2,048 tokens, float32
+    python release/bench_algos.py --seqs 256 --tokens 512  # a smaller batch
+    python release/bench_algos.py --repeats 5 --group 16
+
+Each figure is the median over ``--repeats`` timed runs after one untimed warm-up, in milliseconds, for the
+whole batch in one call (a trainer would split the loss over micro-batches; the total work is the same).
+Response lengths are drawn uniformly from [tokens / 8, tokens]; the batch holds ``seqs / group`` prompts with
+``group`` samples each. Loss rows include the k3 KL term and the ``backward()`` to ``logp``; advantage rows
+include `broadcast_to_tokens` (outcome estimators) or `token_rewards_from_outcome` (GAE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from yatt_ray.algos import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    broadcast_to_tokens,
+    kl_estimate,
+    masked_whiten,
+    mismatch_stats,
+    tis_weights,
+    token_rewards_from_outcome,
+)
+
+LOSS_CASES: list[tuple[str, str, dict, str]] = [
+    # (label, registered loss, options, aggregation)
+    ("ppo_clip", "ppo_clip", {}, "token-mean"),
+    ("ppo_clip dual_clip=3", "ppo_clip", {"dual_clip": 3.0}, "token-mean"),
+    ("gspo", "gspo", {}, "seq-mean-token-mean"),
+    ("cispo", "cispo", {}, "token-mean"),
+    ("ppo_clip", "ppo_clip", {}, "seq-mean-token-sum"),
+    ("ppo_clip", "ppo_clip", {}, "seq-mean-token-mean"),
+    ("ppo_clip", "ppo_clip", {}, "seq-mean-token-sum-norm"),
+]
+
+
+def make_batch(seqs: int, tokens: int, group: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(tokens // 8, 1), tokens + 1, (seqs,), generator=gen)
+    mask = torch.arange(tokens).unsqueeze(0) < lengths.unsqueeze(1)
+    logp = -torch.rand(seqs, tokens, generator=gen) * 3.0
+    return {
+        "mask": mask,
+        "logp": logp,
+        "old_logp": logp + 0.05 * torch.randn(seqs, tokens, generator=gen),
+        "rollout_logp": logp + 0.02 * torch.randn(seqs, tokens, generator=gen),
+        "ref_logp": logp + 0.1 * torch.randn(seqs, tokens, generator=gen),
+        "values": torch.randn(seqs, tokens, generator=gen),
+        "rewards": (torch.rand(seqs // group, group, generator=gen) < 0.4).float(),
+        "greedy_rewards": (torch.rand(seqs // group, generator=gen) < 0.4).float(),
+    }
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (allocator, first-call overheads)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def advantage_rows(b: dict[str, torch.Tensor], repeats: int) -> list[tuple[str, float]]:
+    rows = []
+    for name in ADVANTAGE_ESTIMATORS:
+        est = ADVANTAGE_ESTIMATORS.get(name)
+        if est.token_level:
+
+            def run(est=est) -> object:
+                seq_rewards = b["rewards"].reshape(-1)
+                token_rewards = token_rewards_from_outcome(seq_rewards, b["mask"], None)
+                adv, _ = est(token_rewards, b["values"], b["mask"], 1.0, 0.95)
+                return masked_whiten(adv, b["mask"])
+
+            label = f"advantage {name} (+ token rewards, masked_whiten)"
+        else:
+            extra = {"greedy_rewards": b["greedy_rewards"]} if est.needs_greedy_baseline else {}
+
+            def run(est=est, extra=extra) -> object:
+                return broadcast_to_tokens(est(b["rewards"], **extra).reshape(-1), b["mask"])
+
+            label = f"advantage {name} (+ broadcast)"
+        rows.append((label, median_ms(run, repeats)))
+    return rows
+
+
+def loss_rows(b: dict[str, torch.Tensor], repeats: int) -> list[tuple[str, float]]:
+    seq_adv = ADVANTAGE_ESTIMATORS.get("grpo")(b["rewards"]).reshape(-1)
+    adv = broadcast_to_tokens(seq_adv, b["mask"])
+    mask = b["mask"]
+    denominators = {
+        "global_tokens": float(mask.sum()),
+        "global_seqs": float(mask.any(1).sum()),
+        "norm_len": float(mask.shape[1]),
+    }
+    rows = []
+    for label, name, options, mode in LOSS_CASES:
+        loss_fn = POLICY_LOSSES.get(name)
+        clip = (3e-4, 4e-4) if name == "gspo" else (0.2, 0.2)
+
+        def run(loss_fn=loss_fn, options=options, mode=mode, clip=clip) -> object:
+            logp = b["logp"].clone().requires_grad_(True)
+            per_token, _ = loss_fn(logp, b["old_logp"], adv, *clip, response_mask=mask, **options)
+            per_token = per_token + 0.001 * kl_estimate(logp, b["ref_logp"], "k3")
+            loss = aggregate(per_token, mask, mode, **denominators)
+            loss.backward()
+            return logp.grad
+
+        rows.append((f"loss {label} + k3 KL, {mode}, fwd+bwd", median_ms(run, repeats)))
+
+    def mismatch() -> object:
+        weights = tis_weights(b["old_logp"], b["rollout_logp"], cap=2.0)
+        return weights, mismatch_stats(b["old_logp"], b["rollout_logp"], mask)
+
+    rows.append(("tis_weights + mismatch_stats", median_ms(mismatch, repeats)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=1024, help="sequences in the batch (default 1024)")
+    parser.add_argument("--tokens", type=int, default=2048, help="response width T (default 2048)")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row (default 5)")
+    args = parser.parse_args()
+    if args.seqs % args.group:
+        raise SystemExit(f"--seqs={args.seqs} must be a multiple of --group={args.group}")
+
+    start = time.perf_counter()
+    batch = make_batch(args.seqs, args.tokens, args.group)
+    n_tokens = int(batch["mask"].sum())
+    print(
+        f"bench_algos: {args.seqs} sequences x {args.tokens} tokens ({n_tokens:,} response tokens), float32, "
+        f"{args.seqs // args.group} prompts x {args.group} samples, CPU with {torch.get_num_threads()} threads, "
+        f"median of {args.repeats}"
+    )
+    rows = advantage_rows(batch, args.repeats) + loss_rows(batch, args.repeats)
+    width = max(len(label) for label, _ in rows)
+    print(f"  {'what':<{width}}  {'ms':>9}")
+    for label, ms in rows:
+        print(f"  {label:<{width}}  {ms:9.2f}")
+    print(
+        "  note: a training step on this batch (forward + backward of an LLM over ~"
+        f"{n_tokens / 1e6:.1f}M tokens) costs orders of magnitude more than any row here."
+    )
+    print(f"  (bench wall time {time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""plan_micro_batches (token-budget planning) and the fixed-size / budget index lists."""
+
+import pytest
+import torch
+
+from yatt_ray.train import plan_micro_batches
+from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
+
+
+def cost(lengths, group):
+    return len(group) * max(max(lengths[i] for i in group), 1)
+
+
+def test_longest_first_greedy_by_hand():
+    lengths = [3, 10, 5, 9, 2, 2]
+    # sorted: 1(10) 3(9) 2(5) 0(3) 4(2) 5(2); budget 18: [1] (2*10>18), [3] (2*9=18 ok -> add 2) ...
+    assert plan_micro_batches(lengths, 18) == [[1], [3, 2], [0, 4, 5]]
+    assert plan_micro_batches(lengths, 100) == [[1, 3, 2, 0, 4, 5]]
+    assert plan_micro_batches(lengths, 10) == [[1], [3], [2, 0], [4, 5]]
+
+
+def test_ties_keep_row_order_and_every_row_appears_once():
+    lengths = [4, 4, 4, 4, 4]
+    assert plan_micro_batches(lengths, 8) == [[0, 1], [2, 3], [4]]
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 50, (40,), generator=g).tolist()
+    for budget in (1, 7, 49, 50, 120, 10_000):
+        plan = plan_micro_batches(lengths, budget)
+        assert sorted(i for group in plan for i in group) == list(range(40))
+        for group in plan:
+            assert len(group) == 1 or cost(lengths, group) <= budget
+
+
+def test_edge_cases():
+    assert plan_micro_batches([], 16) == []
+    assert plan_micro_batches([30, 20], 8) == [[0], [1]]  # budget below one row: each row alone
+    assert plan_micro_batches([0, 0, 0], 2) == [[0, 1], [2]]  # an empty row still costs one token
+    assert plan_micro_batches([7], 7) == [[0]]
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0"):
+        plan_micro_batches([1, 2], 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        plan_micro_batches([1, -2], 8)
+
+
+def test_micro_batch_indices_fixed_and_budget():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1], [1, 1, 1, 0]])
+    assert micro_batch_indices(mask, 2, None) == [[0, 1], [2, 3], [4]]
+    assert micro_batch_indices(mask, 2, 9) == [[1, 2], [4, 0, 3]]  # the budget wins over micro_batch_size
+    with pytest.raises(ValueError, match="micro_batch_size=None"):
+        micro_batch_indices(mask, None, None)
+
+
+def test_select_rows_indexes_row_tensors_only():
+    batch = {"x": torch.arange(5), "y": torch.arange(10).view(5, 2), "scalar": torch.tensor(3.0), "n": 7}
+    out = select_rows(batch, 5, [3, 1], "cpu")
+    assert out["x"].tolist() == [3, 1] and out["y"].tolist() == [[6, 7], [2, 3]]
+    assert out["scalar"] is batch["scalar"] and out["n"] == 7
+    assert select_rows(batch, 5, [1, 2], "cpu")["x"].tolist() == [1, 2]
