@@ -15,6 +15,7 @@ include `broadcast_to_tokens` (outcome estimators) or `token_rewards_from_outcom
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch
 from yatt_ray.algos import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
+    AdvantageEstimator,
     aggregate,
     broadcast_to_tokens,
     kl_estimate,
@@ -73,26 +75,23 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def advantage_rows(b: dict[str, torch.Tensor], repeats: int) -> list[tuple[str, float]]:
+    def token_level(est: AdvantageEstimator) -> object:
+        token_rewards = token_rewards_from_outcome(b["rewards"].reshape(-1), b["mask"], None)
+        adv, _ = est(token_rewards, b["values"], b["mask"], 1.0, 0.95)
+        return masked_whiten(adv, b["mask"])
+
+    def outcome(est: AdvantageEstimator) -> object:
+        extra = {"greedy_rewards": b["greedy_rewards"]} if est.needs_greedy_baseline else {}
+        return broadcast_to_tokens(est(b["rewards"], **extra).reshape(-1), b["mask"])
+
     rows = []
     for name in ADVANTAGE_ESTIMATORS:
         est = ADVANTAGE_ESTIMATORS.get(name)
         if est.token_level:
-
-            def run(est=est) -> object:
-                seq_rewards = b["rewards"].reshape(-1)
-                token_rewards = token_rewards_from_outcome(seq_rewards, b["mask"], None)
-                adv, _ = est(token_rewards, b["values"], b["mask"], 1.0, 0.95)
-                return masked_whiten(adv, b["mask"])
-
-            label = f"advantage {name} (+ token rewards, masked_whiten)"
+            label, fn = f"advantage {name} (+ token rewards, masked_whiten)", token_level
         else:
-            extra = {"greedy_rewards": b["greedy_rewards"]} if est.needs_greedy_baseline else {}
-
-            def run(est=est, extra=extra) -> object:
-                return broadcast_to_tokens(est(b["rewards"], **extra).reshape(-1), b["mask"])
-
-            label = f"advantage {name} (+ broadcast)"
-        rows.append((label, median_ms(run, repeats)))
+            label, fn = f"advantage {name} (+ broadcast)", outcome
+        rows.append((label, median_ms(functools.partial(fn, est), repeats)))
     return rows
 
 

@@ -76,7 +76,7 @@ class AlgoConfig:
 
     name: str = "grpo"
     advantage: str = ""  # "" = the estimator of `name`
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo (set clip_low/high ~3e-4/4e-4) | cispo (clip_low 1)
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None  # > 1 + clip_high: caps the loss of negative-advantage tokens
@@ -297,8 +297,8 @@ def validate(config: Config) -> None:
         f"algo.name={a.name!r} is unknown; valid: {', '.join(sorted(ALGORITHMS))} (or set algo.advantage)",
     )
     need(
-        0 < a.clip_low < 1,
-        f"algo.clip_low={a.clip_low} must be in (0, 1): the ratio is clipped at 1 - clip_low",
+        0 < a.clip_low <= 1,
+        f"algo.clip_low={a.clip_low} must be in (0, 1]: the ratio is clipped at 1 - clip_low (1: no lower bound)",
     )
     need(a.clip_high > 0, f"algo.clip_high={a.clip_high} must be > 0")
     if a.dual_clip is not None:

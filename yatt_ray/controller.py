@@ -229,7 +229,7 @@ class GroupController:
     def _old_log_probs_and_values(self, local: StepInputs) -> None:
         """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens."""
         cfg, b, width = self.config, local.batch, local.prompt_width
-        batching = {"micro_batch_size": cfg.train.micro_batch_size}
+        batching: dict = {"micro_batch_size": cfg.train.micro_batch_size}
         if cfg.train.max_tokens_per_micro_batch:
             batching["max_tokens_per_micro_batch"] = cfg.train.max_tokens_per_micro_batch
         ids, mask = b["input_ids"], b["attention_mask"]
@@ -257,7 +257,9 @@ class GroupController:
                 {f"critic/{k}" if not k.startswith("value") else k: v for k, v in critic_stats.items()}
             )
         if self._policy_moves(step):
-            loss_fn = policy_loss_fn(cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value)
+            loss_fn = policy_loss_fn(
+                cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens
+            )
             for _ in range(cfg.algo.ppo_epochs):
                 stats.update(self.policy.train_step(b, loss_fn, **batching))
         return stats

@@ -74,7 +74,12 @@ def compute_advantages(inputs: StepInputs, config: Config, kl_coef: float) -> di
 
 
 def policy_loss_fn(
-    algo: AlgoConfig, prompt_width: int, global_tokens: float, global_seqs: float, kl_coef: float
+    algo: AlgoConfig,
+    prompt_width: int,
+    global_tokens: float,
+    global_seqs: float,
+    kl_coef: float,
+    norm_len: int,
 ):
     """The per-micro-batch policy loss for MegatronPolicy.train_step.
 
@@ -82,7 +87,8 @@ def policy_loss_fn(
     KL term is present only when KL is not already a reward penalty, and w_tis (truncated importance
     weights for the rollout/trainer mismatch) only when `algo.tis_cap` is set. Aggregated with
     `algo.loss_agg` over the *global* token / sequence counts, so micro-batch and data-parallel shares sum to
-    the full-batch loss. Logged values are token-mean shares too (they sum to batch means).
+    the full-batch loss. Logged values are token-mean shares too (they sum to batch means). `norm_len` is the
+    constant length of "seq-mean-token-sum-norm" (the configured maximum response length).
     """
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
     kl_in_loss = kl_coef > 0 and not algo.kl_in_reward
@@ -104,7 +110,7 @@ def policy_loss_fn(
             per_token = per_token + kl_coef * kl_estimate(lp, mb["ref_logp"], algo.kl_estimator)
         loss = aggregate(
             per_token, mask, algo.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
-            norm_len=float(mask.shape[1]) if algo.loss_agg == "seq-mean-token-sum-norm" else None,
+            norm_len=float(norm_len) if algo.loss_agg == "seq-mean-token-sum-norm" else None,
         )  # fmt: skip
         metrics = {
             k: float(aggregate(v, mask, "token-mean", global_tokens=global_tokens)) for k, v in share.items()

@@ -7,6 +7,7 @@ from yatt_ray.algos import (
     POLICY_LOSSES,
     aggregate,
     cispo_loss,
+    clipped_value_loss,
     gspo_loss,
     mismatch_stats,
     ppo_clip_loss,
@@ -259,3 +260,34 @@ def test_mismatch_stats_hand_computed():
     assert float(stats["tokens"]) == 2.0
     empty = mismatch_stats(old, rollout, torch.zeros(1, 3))
     assert all(float(v) == 0.0 for v in empty.values())
+
+
+# --- value loss -------------------------------------------------------------------------------------------------
+
+
+def test_clipped_value_loss_hand_computed_with_gradient():
+    # old values 0, value_clip 0.2 -> V_clip = clamp(V, -0.2, 0.2)
+    #   V=0.5,  R=1:  (V-R)^2 = 0.25, (0.2-1)^2 = 0.64   -> max 0.64 (clipped): loss 0.32,  grad 0
+    #   V=0.1,  R=1:  inside the clip: 0.81                              -> loss 0.405, grad V-R = -0.9
+    #   V=-0.5, R=-2: (1.5)^2 = 2.25, (-0.2+2)^2 = 3.24 -> max 3.24 (clipped): loss 1.62, grad 0
+    #   V=0.5,  R=0:  0.25 vs (0.2)^2 = 0.04            -> max 0.25 (unclipped): loss 0.125, grad 0.5
+    values = torch.tensor([[0.5, 0.1, -0.5, 0.5]], dtype=F64, requires_grad=True)
+    old = torch.zeros(1, 4, dtype=F64)
+    returns = torch.tensor([[1.0, 1.0, -2.0, 0.0]], dtype=F64)
+    loss, stats = clipped_value_loss(values, old, returns, value_clip=0.2)
+    torch.testing.assert_close(
+        loss, torch.tensor([[0.32, 0.405, 1.62, 0.125]], dtype=F64), rtol=0, atol=1e-15
+    )
+    assert stats["clipped"].tolist() == [[1.0, 0.0, 1.0, 0.0]]
+    loss.sum().backward()
+    torch.testing.assert_close(
+        values.grad, torch.tensor([[0.0, -0.9, 0.0, 0.5]], dtype=F64), rtol=0, atol=1e-15
+    )
+    # without clipping: 0.5 * (V - R)^2 = [0.125, 0.405, 1.125, 0.125]
+    plain, stats = clipped_value_loss(values.detach(), old, returns)
+    torch.testing.assert_close(
+        plain, torch.tensor([[0.125, 0.405, 1.125, 0.125]], dtype=F64), rtol=0, atol=1e-15
+    )
+    assert not stats["clipped"].any()
+    with pytest.raises(ValueError, match="value_clip must be > 0"):
+        clipped_value_loss(values, old, returns, value_clip=0.0)

@@ -44,7 +44,7 @@ def test_loss_shares_sum_to_full_batch_loss():
         "ref_logp": torch.randn(n, width_r),
         "advantages": torch.randn(n, width_r),
     }
-    fn = policy_loss_fn(cfg.algo, width_p, float(mask.sum()), float(n), kl_coef=0.001)
+    fn = policy_loss_fn(cfg.algo, width_p, float(mask.sum()), float(n), kl_coef=0.001, norm_len=width_r)
     full, full_metrics = fn(logp, entropy, mb)
     halves = [
         fn(logp[i : i + 2], entropy[i : i + 2], {k: v[i : i + 2] for k, v in mb.items()}) for i in (0, 2)

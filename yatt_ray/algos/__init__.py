@@ -1,5 +1,5 @@
-"""Pure tensor functions of RL post-training (advantages, policy losses, KL estimators and controllers,
-loss aggregation, rollout/trainer mismatch correction), each registered by name so that a config can pick it.
+"""Pure tensor functions of RL post-training (advantages, policy and value losses, KL estimators and
+controllers, loss aggregation, rollout/trainer mismatch correction), each registered by name so that a config can pick it.
 
 Importing this package fills the registries (each module registers its functions on import); look a
 function up with e.g. ``ADVANTAGE_ESTIMATORS.get("grpo")`` (an `AdvantageEstimator`: callable, and its flags
@@ -24,9 +24,9 @@ that weighting.
 
 Where the KL goes. In the reward (per-token penalty ``-beta * KL`` folded into the return; PPO as in Ziegler et
 al. and InstructGPT, and REINFORCE++; OpenRLHF's default for PPO, verl's ``use_kl_in_reward``) or in the loss
-(``+beta * KL`` per token, the GRPO paper; TRL's GRPO, verl's ``use_kl_loss``). yatt_ray's trainer step adds it
-to the loss (``algo.kl_coef``, ``algo.kl_estimator``); `token_rewards_from_outcome` builds the in-reward form
-for critic-based PPO and REINFORCE++. The estimator also differs: k1 in reward is classic; k3 (or its clamp,
+(``+beta * KL`` per token, the GRPO paper; TRL's GRPO, verl's ``use_kl_loss``). yatt_ray puts it in the loss
+by default (GRPO style); `token_rewards_from_outcome` builds the in-reward form (critic-based PPO,
+REINFORCE++), and `AdaptiveKLController` / `FixedKLController` steer its coefficient. The estimator also differs: k1 in reward is classic; k3 (or its clamp,
 "low_var_kl") is common in the loss because it is non-negative with low variance.
 
 Loss aggregation. The GRPO paper averages tokens within a sequence and then sequences
@@ -73,7 +73,7 @@ from yatt_ray.algos.kl import (
     kl_k3,
     kl_low_var,
 )
-from yatt_ray.algos.losses import cispo_loss, gspo_loss, ppo_clip_loss
+from yatt_ray.algos.losses import cispo_loss, clipped_value_loss, gspo_loss, ppo_clip_loss
 from yatt_ray.algos.mismatch import mismatch_stats, tis_weights
 from yatt_ray.algos.registry import (
     ADVANTAGE_ESTIMATORS,
@@ -97,6 +97,7 @@ __all__ = [
     "aggregate",
     "broadcast_to_tokens",
     "cispo_loss",
+    "clipped_value_loss",
     "gae_advantages",
     "grpo_advantages",
     "grpo_no_std_advantages",

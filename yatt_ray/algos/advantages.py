@@ -91,6 +91,8 @@ def _check_group_rewards(rewards: Tensor, min_group: int = 2) -> Tensor:
             f"reshape a flat [P * G] tensor with rewards.view(-1, G)"
         )
     if rewards.shape[1] < min_group:
+        if min_group < 2:
+            raise ValueError(f"rewards need at least 1 sample per prompt, got shape {tuple(rewards.shape)}")
         raise ValueError(
             f"group-relative advantages need at least 2 samples per prompt, got G={rewards.shape[1]} "
             f"(every advantage would be 0); raise the number of samples per prompt to 2 or more"

@@ -20,6 +20,8 @@ name           per-token loss                                                typ
 "gspo"         as ppo_clip with the sequence ratio s_i (GSPO-token form)      3e-4 / 4e-4
 "cispo"        -sg(clip(r)) A logp                                            upper bound only (see `cispo_loss`)
 =============  ============================================================  ===================================
+
+The critic's loss, `clipped_value_loss`, lives here too (not registered: there is one form, with an option).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from yatt_ray.algos.registry import POLICY_LOSSES
 
-__all__ = ["RATIO_LOG_CLAMP", "cispo_loss", "gspo_loss", "ppo_clip_loss"]
+__all__ = ["RATIO_LOG_CLAMP", "cispo_loss", "clipped_value_loss", "gspo_loss", "ppo_clip_loss"]
 
 RATIO_LOG_CLAMP = 20.0
 """The log importance ratio is clamped to [-20, 20] before ``exp``, so the ratio lies in [2e-9, 4.9e8]."""
@@ -228,3 +230,44 @@ def cispo_loss(
     loss = -weight * advantages.to(dtype) * lp
     stats = {"ratio": ratio, "clipped": ((ratio < low) | (ratio > high)).to(dtype)}
     return loss, stats
+
+
+def clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The critic's regression loss with PPO-style value clipping, per token.
+
+    Shapes: ``values`` (current critic, carries the gradient), ``old_values`` (the critic's values when the
+    batch was made, data) and ``returns`` (GAE returns, the targets, data) are [B, T] -> ``(loss [B, T],
+    stats)``::
+
+        V_clip = old_values + clamp(values - old_values, -value_clip, value_clip)
+        loss   = 0.5 * max((values - returns)^2, (V_clip - returns)^2)        with value_clip = c > 0
+        loss   = 0.5 * (values - returns)^2                                    with value_clip = None
+
+    The max makes the clip pessimistic: a value that moved more than ``c`` away from its old value is
+    penalised as if it had moved only ``c`` whenever that is worse, and then gets no gradient. ``c`` is in
+    the units of the returns (0.2 is common). The 0.5 makes the gradient ``values - returns``. Computed in at
+    least float32; padding positions are not masked (the aggregation does).
+
+    ``stats`` (detached, [B, T]): ``"clipped"``, 1.0 where the clipped term is strictly the larger (no
+    gradient), else 0.0 (all 0 without ``value_clip``).
+    """
+    if not (values.shape == old_values.shape == returns.shape):
+        raise ValueError(
+            f"values, old_values and returns must share one shape [B, T], got {tuple(values.shape)}, "
+            f"{tuple(old_values.shape)} and {tuple(returns.shape)}"
+        )
+    if value_clip is not None and not value_clip > 0:
+        raise ValueError(f"value_clip must be > 0 (or None to disable), got {value_clip}; e.g. 0.2")
+    dtype = torch.promote_types(torch.promote_types(values.dtype, old_values.dtype), torch.float32)
+    dtype = torch.promote_types(dtype, returns.dtype)
+    v, target = values.to(dtype), returns.to(dtype)
+    unclipped = (v - target).square()
+    if value_clip is None:
+        return 0.5 * unclipped, {"clipped": torch.zeros_like(unclipped).detach()}
+    old = old_values.to(dtype)
+    v_clip = old + (v - old).clamp(-value_clip, value_clip)
+    clipped = (v_clip - target).square()
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    return loss, {"clipped": (clipped > unclipped).to(dtype).detach()}
