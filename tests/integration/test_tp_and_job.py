@@ -29,12 +29,13 @@ def test_tensor_parallel_2_trains_end_to_end(ray_cluster, demo_cache, tmp_path):
     assert Path(result.checkpoint_path, "config.json").exists()
 
 
-def test_ray_job_submit_runs_the_example(ray_cluster, demo_cache, tmp_path):
+@pytest.mark.parametrize("example", ["grpo", "ppo"])
+def test_ray_job_submit_runs_the_example(ray_cluster, demo_cache, tmp_path, example):
     out = tmp_path / "job_run"
     cmd = [
         str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", ray_cluster["dashboard"], "--",
-        "python", str(REPO / "examples/grpo.py"), "train.steps=2", "train.prompts_per_step=4", "rollout.n=4",
-        "train.dp_size=1", f"output.dir={out}", "output.progress=false",
+        "python", str(REPO / f"examples/{example}.py"), "train.steps=2", "train.prompts_per_step=4", "rollout.n=4",
+        "train.dp_size=1", "critic.warmup_steps=0", f"output.dir={out}", "output.progress=false",
     ]  # fmt: skip
     env = ray_cluster["env"]  # the cluster itself was started with YATT_RAY_CACHE set to the session cache
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
