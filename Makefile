@@ -12,8 +12,10 @@ $(STAMP): setup.cfg pyproject.toml scripts/install.sh
 	PY=$(PY) VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
 
+EXAMPLE ?= grpo
+
 demo: $(STAMP)
-	$(BIN)/python examples/grpo.py $(ARGS)
+	$(BIN)/python examples/$(EXAMPLE).py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check yatt_ray examples tests release

@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="response width T (default 2048)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row (default 5)")
+    parser.add_argument("--model-params", type=float, default=0.5e9, help="for the step estimate (default 0.5e9)")
+    parser.add_argument("--device-tflops", type=float, default=312.0, help="peak TFLOP/s (A100 bf16: 312)")
     args = parser.parse_args()
     if args.seqs % args.group:
         raise SystemExit(f"--seqs={args.seqs} must be a multiple of --group={args.group}")
@@ -150,9 +152,13 @@ def main() -> None:
     print(f"  {'what':<{width}}  {'ms':>9}")
     for label, ms in rows:
         print(f"  {label:<{width}}  {ms:9.2f}")
+    # A training step is at least 6 FLOPs per parameter per token (forward + backward), at peak speed.
+    step_s = 6 * args.model_params * n_tokens / (args.device_tflops * 1e12)
+    slowest = max(ms for _, ms in rows)
     print(
-        "  note: a training step on this batch (forward + backward of an LLM over ~"
-        f"{n_tokens / 1e6:.1f}M tokens) costs orders of magnitude more than any row here."
+        f"  a training step of a {args.model_params / 1e9:g}B-parameter model on these tokens takes at least "
+        f"{step_s:.1f} s at {args.device_tflops:g} TFLOP/s (6 x params x tokens, at peak); the slowest row "
+        f"here, on this CPU, is {100 * slowest / 1000 / step_s:.2f}% of that"
     )
     print(f"  (bench wall time {time.perf_counter() - start:.1f} s)")
 
