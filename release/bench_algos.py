@@ -133,7 +133,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="response width T (default 2048)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row (default 5)")
-    parser.add_argument("--model-params", type=float, default=0.5e9, help="for the step estimate (default 0.5e9)")
+    parser.add_argument(
+        "--model-params", type=float, default=0.5e9, help="for the step estimate (default 0.5e9)"
+    )
     parser.add_argument("--device-tflops", type=float, default=312.0, help="peak TFLOP/s (A100 bf16: 312)")
     args = parser.parse_args()
     if args.seqs % args.group:

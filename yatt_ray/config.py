@@ -122,6 +122,7 @@ class TrainConfig:
     tp_size: int = 1
     seed: int = 0
     max_tokens_per_micro_batch: int | None = None  # dynamic batching by token budget; None = micro_batch_size
+    offload_during_rollout: bool | None = None  # trainer state to host memory while generating; None = on GPU
 
 
 @dataclass

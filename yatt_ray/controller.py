@@ -94,6 +94,8 @@ class GroupController:
             else FixedKLController(a.kl_coef)
         )  # every rank updates it from the same all-reduced KL, so all ranks agree
         self.needs_greedy = ADVANTAGE_ESTIMATORS.get(a.estimator).needs_greedy_baseline
+        offload = config.train.offload_during_rollout
+        self.offload = torch.cuda.is_available() if offload is None else offload
         self.timer = PhaseTimer()
         self.prompts_per_group = t.prompts_per_step // t.dp_size
         if self.layout.is_controller:
@@ -154,11 +156,17 @@ class GroupController:
         cfg, timer = self.config, self.timer
         timer.reset()
         start = time.perf_counter()
+        if self.offload:
+            with timer.phase("offload"):
+                self._move_trainers("offload")
         with timer.phase("rollout"):
             local = self._rollout() if self.layout.is_controller else None
         with timer.phase("reward"):
             if local is not None:
                 self._score(local)
+        if self.offload:
+            with timer.phase("offload"):
+                self._move_trainers("onload")
         local = self._broadcast_in_group(local)
         with timer.phase("logprobs"):
             self._old_log_probs_and_values(local)
@@ -177,6 +185,13 @@ class GroupController:
         if "kl_per_sequence" in metrics:
             self.kl_ctl.update(metrics["kl_per_sequence"], n_steps=int(metrics["samples"]))
         return metrics
+
+    def _move_trainers(self, direction: str) -> None:
+        """Full coexistence: "offload" gives the accelerator to the rollout engine (trainer weights, grads and
+        optimizer state to host memory); "onload" brings them back for the log-prob and train phases."""
+        for trainer in (self.policy, self.critic):
+            if trainer is not None:
+                trainer.offload() if direction == "offload" else trainer.onload()
 
     def _policy_moves(self, step: int) -> bool:
         """False during the critic's warm-up steps, when only the value model trains."""
