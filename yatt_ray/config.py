@@ -83,7 +83,7 @@ class AlgoConfig:
     kl_coef: float = 0.001
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
-    kl_target: float | None = None  # adaptive KL coefficient (with kl_in_reward)
+    kl_target: float | None = None  # adaptive coefficient: target KL per response (summed over tokens)
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"

@@ -1,0 +1,39 @@
+"""Checkpoints: an fsspec store committed by manifest, an asynchronous writer, and when to save.
+
+* `CheckpointStore`: ``<root>/step_XXXXXXXX/`` directories on any fsspec URL; ``manifest.json`` (sizes and
+  sha256 of every file) is written last and is the commit marker; `latest_valid` skips damaged checkpoints;
+  retention keeps the last N plus every K-th step.
+* `AsyncCheckpointWriter`: ``save`` blocks only for a host-memory snapshot; a background thread writes.
+* `CheckpointSchedule` and `PreemptionFlag`: save every N steps / M minutes, and on SIGTERM.
+"""
+
+from yatt_ray.checkpoint.schedule import CheckpointSchedule, PreemptionFlag
+from yatt_ray.checkpoint.store import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointRef,
+    CheckpointStore,
+    FileEntry,
+    Manifest,
+    PendingCheckpoint,
+)
+from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "AsyncCheckpointWriter",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointRef",
+    "CheckpointSchedule",
+    "CheckpointStore",
+    "FileEntry",
+    "Manifest",
+    "PendingCheckpoint",
+    "PreemptionFlag",
+    "SaveHandle",
+    "load",
+]
