@@ -88,6 +88,7 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
     ppo_epochs: int = 1
+    ppo_mini_batches: int = 1  # optimizer steps per epoch; > 1 lets the PPO clip bind
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
     tis_cap: float | None = 2.0  # truncated importance sampling for rollout/trainer mismatch; None disables
@@ -316,6 +317,23 @@ def validate(config: Config) -> None:
         )
         need(a.kl_target > 0 and a.kl_horizon > 0, "algo.kl_target and algo.kl_horizon must be > 0")
     need(a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
+    rows = t.prompts_per_step // max(t.dp_size, 1) * r.n
+    need(
+        1 <= a.ppo_mini_batches <= rows,
+        f"algo.ppo_mini_batches={a.ppo_mini_batches} must be in [1, {rows}] (the samples of one group's step)",
+    )
+    need(
+        a.dual_clip is None or a.policy_loss == "ppo_clip",
+        f"algo.dual_clip applies to algo.policy_loss=ppo_clip only, not {a.policy_loss!r}; unset it",
+    )
+    need(
+        a.clip_low < 1 or a.policy_loss == "cispo",
+        f"algo.clip_low=1 (no lower bound) suits cispo only; {a.policy_loss} needs algo.clip_low < 1",
+    )
+    need(
+        a.kl_target is None or a.kl_coef > 0,
+        "algo.kl_target adapts algo.kl_coef from its initial value: set algo.kl_coef > 0",
+    )
     need(
         0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"algo.gamma={a.gamma} and algo.lam={a.lam} must be in [0, 1]"
     )
@@ -339,6 +357,16 @@ def validate(config: Config) -> None:
             f"rollout.n={r.n}: {a.estimator} compares samples within a prompt's group; set rollout.n >= 2",
         )
     c = config.critic
+    if c.enable and a.estimator in ADVANTAGE_ESTIMATORS:
+        need(
+            ADVANTAGE_ESTIMATORS.get(a.estimator).needs_critic,
+            f"critic.enable=true but algo.advantage={a.estimator!r} uses no value model; use algo.name=ppo "
+            "(GAE) or set critic.enable=false",
+        )
+    need(
+        c.warmup_steps == 0 or c.enable,
+        f"critic.warmup_steps={c.warmup_steps} freezes the policy to train a critic, but critic.enable=false",
+    )
     need(c.lr > 0, f"critic.lr={c.lr} must be > 0")
     need(c.value_clip is None or c.value_clip > 0, f"critic.value_clip={c.value_clip} must be > 0 (or null)")
     need(

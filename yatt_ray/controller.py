@@ -170,7 +170,7 @@ class GroupController:
         local = self._broadcast_in_group(local)
         with timer.phase("logprobs"):
             self._old_log_probs_and_values(local)
-        local.batch.update(compute_advantages(local, cfg, self.kl_ctl.value))
+        local.batch.update(compute_advantages(local, cfg, self.kl_ctl.value, whiten=self._dp_whiten))
         with timer.phase("train"):
             train_stats = self._update(local, step)
         with timer.phase("weight_sync"):
@@ -182,7 +182,7 @@ class GroupController:
         times.update(step=wall, other=max(wall - sum(times.values()), 0.0), orchestration=wall - compute)
         metrics = reduce_metrics(step, local, train_stats, times, self.layout.is_controller, cfg.algo)
         metrics["kl_coef"] = self.kl_ctl.value
-        if "kl_per_sequence" in metrics:
+        if "kl_per_sequence" in metrics and self._policy_moves(step):  # no KL to track while frozen
             self.kl_ctl.update(metrics["kl_per_sequence"], n_steps=int(metrics["samples"]))
         return metrics
 
@@ -257,26 +257,33 @@ class GroupController:
             b["tis_weights"] = tis_weights(b["old_logp"], b["rollout_logp"], cfg.algo.tis_cap)
 
     def _update(self, local: StepInputs, step: int) -> dict[str, float]:
-        """Critic step (when there is one), then the policy's PPO epochs (after the critic's warm-up)."""
+        """Critic step (when there is one), then the policy: `algo.ppo_epochs` passes over the batch, each
+        in `algo.ppo_mini_batches` optimizer steps (after the first, the importance ratio moves away from 1
+        and the PPO clip binds). Metrics are averaged over the optimizer steps."""
         cfg, b, width = self.config, local.batch, local.prompt_width
         batching: dict = {"micro_batch_size": cfg.train.micro_batch_size}
         if cfg.train.max_tokens_per_micro_batch:
             batching["max_tokens_per_micro_batch"] = cfg.train.max_tokens_per_micro_batch
-        global_tokens = self._dp_sum(b["response_mask"].sum())
-        global_seqs = self._dp_sum(torch.tensor(float(b["response_mask"].shape[0])))
         stats: dict[str, float] = {}
         if self.critic is not None:
+            global_tokens = self._dp_sum(b["response_mask"].sum())
             critic_loss = value_loss_fn(cfg.critic.value_clip, width, global_tokens)
             critic_stats = self.critic.train_step(b, critic_loss, **batching)
-            stats.update(
-                {f"critic/{k}" if not k.startswith("value") else k: v for k, v in critic_stats.items()}
-            )
-        if self._policy_moves(step):
-            loss_fn = policy_loss_fn(
-                cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens
-            )
-            for _ in range(cfg.algo.ppo_epochs):
-                stats.update(self.policy.train_step(b, loss_fn, **batching))
+            stats.update({k if k.startswith("value") else f"critic/{k}": v for k, v in critic_stats.items()})
+        if not self._policy_moves(step):
+            return stats
+        steps: list[dict[str, float]] = []
+        rows = b["response_mask"].shape[0]
+        for _ in range(cfg.algo.ppo_epochs):
+            for chunk in torch.arange(rows).chunk(cfg.algo.ppo_mini_batches):
+                mini = {k: v[chunk] for k, v in b.items()}
+                global_tokens = self._dp_sum(mini["response_mask"].sum())
+                global_seqs = self._dp_sum(torch.tensor(float(len(chunk))))
+                loss_fn = policy_loss_fn(
+                    cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens
+                )
+                steps.append(self.policy.train_step(mini, loss_fn, **batching))
+        stats.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
         return stats
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -295,6 +302,19 @@ class GroupController:
             local = box[0]
         assert local is not None, "the group's controller always sends a batch"
         return local
+
+    def _dp_whiten(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Whiten x over the mask-1 tokens of every data-parallel group (global mean, unbiased std)."""
+        m = mask.bool()
+        sel = x[m].to(torch.float64)
+        stats = torch.stack(
+            [sel.sum(), (sel * sel).sum(), torch.tensor(float(sel.numel()), dtype=torch.float64)]
+        )
+        dist.all_reduce(stats, group=self.dp_group)
+        total, total_sq, count = stats.tolist()
+        mean = total / count
+        std = max((total_sq - count * mean * mean) / max(count - 1.0, 1.0), 0.0) ** 0.5
+        return torch.where(m, (x - mean) / (std + 1e-6), torch.zeros((), dtype=x.dtype))
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         total = value.detach().to(torch.float64).reshape(1).clone()
@@ -316,6 +336,8 @@ class GroupController:
         if not self.config.data.eval_files:
             return {}
         sums = torch.zeros(3, dtype=torch.float64)  # reward sum, correct count, sample count
+        if self.offload:
+            self._move_trainers("offload")
         if self.layout.is_controller and self.eval_shard is not None:
             spec = SamplingSpec(
                 n=1,
@@ -332,6 +354,8 @@ class GroupController:
                     r = self.reward_fn(text, str(gt), str(src))
                     sums += torch.tensor([r, float(r >= 1.0), 1.0], dtype=torch.float64)
             self.engine.sleep()
+        if self.offload:
+            self._move_trainers("onload")
         dist.all_reduce(sums)
         count = max(sums[2].item(), 1.0)
         return {"eval/reward_mean": sums[0].item() / count, "eval/accuracy": sums[1].item() / count}

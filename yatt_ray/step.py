@@ -5,6 +5,7 @@ Kept apart from the controller so that each piece is a small function with tenso
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,13 +46,15 @@ class StepInputs:
         return zip(self.texts, self.ground_truths, self.sources)
 
 
-def compute_advantages(inputs: StepInputs, config: Config, kl_coef: float) -> dict[str, torch.Tensor]:
+def compute_advantages(
+    inputs: StepInputs, config: Config, kl_coef: float, whiten: Callable = masked_whiten
+) -> dict[str, torch.Tensor]:
     """Per-token advantages [N, R] (and, for GAE, the critic's returns [N, R]) for one group's batch.
 
     Outcome estimators (grpo, rloo, reinforce_pp, remax) turn rewards [N] (a prompt's n samples adjacent)
     into one advantage per sample, broadcast over its response tokens. GAE places the outcome reward on the
-    last response token and runs over the critic's values; its advantages are whitened over this group's
-    tokens. With `algo.kl_in_reward`, the per-token KL to the reference is a reward penalty:
+    last response token and runs over the critic's values; its advantages are whitened with `whiten`
+    (the controller passes one with statistics over every data-parallel group's tokens). With `algo.kl_in_reward`, the per-token KL to the reference is a reward penalty:
     r_t -= kl_coef * KL_t (GAE), or r -= kl_coef * sum_t KL_t (outcome estimators).
     """
     algo, batch = config.algo, inputs.batch
@@ -63,7 +66,7 @@ def compute_advantages(inputs: StepInputs, config: Config, kl_coef: float) -> di
     if estimator.token_level:
         token_rewards = token_rewards_from_outcome(inputs.rewards, mask, kl, kl_coef)
         advantages, returns = estimator.fn(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
-        return {"advantages": masked_whiten(advantages, mask), "returns": returns}
+        return {"advantages": whiten(advantages, mask), "returns": returns}
     rewards = inputs.rewards if kl is None else inputs.rewards - kl_coef * (kl * mask).sum(-1)
     groups = rewards.reshape(-1, config.rollout.n)  # [P, n]
     if estimator.needs_greedy_baseline:
@@ -185,7 +188,7 @@ def reduce_metrics(
 
     `times` holds each phase's seconds, "step" (the step's wall time on this worker), "other" (the part of
     the step outside every phase: batching, broadcasts, bookkeeping) and "orchestration" (the step less
-    rollout, reward, log-prob and train compute: weight sync plus "other").
+    rollout, reward, log-prob and train compute: weight sync, offload and "other").
     Every rank must call it. Non-controller ranks hold copies of their group's batch and add zeros.
     "kl" is the mean per-token KL(pi_old || ref) with `algo.kl_estimator`; "kl_per_sequence" its sum over a
     response, averaged over samples (what an adaptive KL controller tracks).
@@ -208,11 +211,11 @@ def reduce_metrics(
         "truncated_fraction": s["truncated"] / samples,
         "prompts_clipped": s["prompts_clipped"],
         "rollout_logp_diff": s["logp_diff"] / tokens,
-        "kl": s["kl"] / tokens,
-        "kl_per_sequence": s["kl"] / samples,
         "tokens_per_s": (s["response_tokens"] + s["prompt_tokens"]) / max(step_time, 1e-9),
         "time/step": step_time,
     }
+    if "ref_logp" in inputs.batch:
+        metrics.update(kl=s["kl"] / tokens, kl_per_sequence=s["kl"] / samples)
     if inputs.greedy_rewards is not None:
         metrics["greedy_reward_mean"] = s["greedy_reward"] / (samples / inputs.n)
     metrics.update({f"time/{k}": v for k, v in maxima.items()})
