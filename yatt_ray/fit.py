@@ -89,6 +89,8 @@ def _prepare_inputs(config: Config) -> None:
         )
     if "://" not in config.model.path:
         config.model.path = str(Path(config.model.path).expanduser().resolve())
+    if config.critic.path and "://" not in config.critic.path:
+        config.critic.path = str(Path(config.critic.path).expanduser().resolve())
 
 
 def _check_inputs(config: Config) -> dict[str, list[str]]:
@@ -98,6 +100,14 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
 
     shape = LlamaShape.from_hf_dir(config.model.path)
     check_tp_size(shape, config.train.tp_size)
+    if config.critic.enable and config.critic.path:
+        critic = LlamaShape.from_hf_dir(config.critic.path)
+        check_tp_size(critic, config.train.tp_size)
+        if critic.vocab_size != shape.vocab_size:
+            raise ConfigError(
+                f"critic.path={config.critic.path!r} has a vocabulary of {critic.vocab_size} tokens but the policy "
+                f"has {shape.vocab_size}; the critic must read the policy's tokens (same tokenizer)"
+            )
     longest = config.data.max_prompt_tokens + config.rollout.max_new_tokens
     if longest > shape.max_positions:
         raise ConfigError(

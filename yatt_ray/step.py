@@ -55,7 +55,8 @@ def compute_advantages(
     into one advantage per sample, broadcast over its response tokens. GAE places the outcome reward on the
     last response token and runs over the critic's values; its advantages are whitened with `whiten`
     (the controller passes one with statistics over every data-parallel group's tokens). With `algo.kl_in_reward`, the per-token KL to the reference is a reward penalty:
-    r_t -= kl_coef * KL_t (GAE), or r -= kl_coef * sum_t KL_t (outcome estimators).
+    r_t -= kl_coef * KL_t (GAE), or r -= kl_coef * sum_t KL_t (outcome estimators). For REINFORCE++ that
+    is a departure from its paper, which places the KL on each token and takes the reward-to-go.
     """
     algo, batch = config.algo, inputs.batch
     mask = batch["response_mask"]
