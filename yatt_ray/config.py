@@ -192,13 +192,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}"
             )
     for item in overrides or []:
-        _apply_override(data, item)
+        apply_override(data, item)
     config = Config.from_dict(data)
     validate(config)
     return config
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set `data[a][b] = value` for the override "a.b=value" (value parsed as a YAML scalar or list)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key.sub=value (for example train.steps=10)")
     key, raw = item.split("=", 1)

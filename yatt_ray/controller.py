@@ -4,7 +4,7 @@ Each data-parallel group has one controller: its tensor-parallel rank 0. The con
 its own Ray Data stream, drives its colocated rollout engine, scores the samples, and hands the group's
 batch to the other ranks of its group. Every rank then runs the same trainer phases. One step:
 
-    rollout -> reward -> log-probs (old, reference) -> GRPO advantages -> train -> weight sync
+    rollout -> reward -> log-probs (old, reference, values) -> advantages -> train -> weight sync
 
 Groups meet only in collectives: gradient all-reduce, the global token count for loss normalisation, and
 metric reduction. Only scalar metrics leave the workers (through the MetricsHub actor).
@@ -18,11 +18,18 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from yatt_ray.algos import ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, tis_weights
+from yatt_ray.algos import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    masked_whiten,
+    tis_weights,
+)
 from yatt_ray.batch import pack
 from yatt_ray.config import Config
 from yatt_ray.errors import DataError
@@ -96,6 +103,9 @@ class GroupController:
         self.needs_greedy = ADVANTAGE_ESTIMATORS.get(a.estimator).needs_greedy_baseline
         offload = config.train.offload_during_rollout
         self.offload = torch.cuda.is_available() if offload is None else offload
+        self.batching: dict = {"micro_batch_size": t.micro_batch_size}  # how trainer passes split a batch
+        if t.max_tokens_per_micro_batch:
+            self.batching["max_tokens_per_micro_batch"] = t.max_tokens_per_micro_batch
         self.timer = PhaseTimer()
         self.prompts_per_group = t.prompts_per_step // t.dp_size
         if self.layout.is_controller:
@@ -170,7 +180,8 @@ class GroupController:
         local = self._broadcast_in_group(local)
         with timer.phase("logprobs"):
             self._old_log_probs_and_values(local)
-        local.batch.update(compute_advantages(local, cfg, self.kl_ctl.value, whiten=self._dp_whiten))
+        whiten = partial(masked_whiten, all_reduce=lambda t: dist.all_reduce(t, group=self.dp_group))
+        local.batch.update(compute_advantages(local, cfg, self.kl_ctl.value, whiten=whiten))
         with timer.phase("train"):
             train_stats = self._update(local, step)
         with timer.phase("weight_sync"):
@@ -243,10 +254,7 @@ class GroupController:
 
     def _old_log_probs_and_values(self, local: StepInputs) -> None:
         """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens."""
-        cfg, b, width = self.config, local.batch, local.prompt_width
-        batching: dict = {"micro_batch_size": cfg.train.micro_batch_size}
-        if cfg.train.max_tokens_per_micro_batch:
-            batching["max_tokens_per_micro_batch"] = cfg.train.max_tokens_per_micro_batch
+        cfg, b, width, batching = self.config, local.batch, local.prompt_width, self.batching
         ids, mask = b["input_ids"], b["attention_mask"]
         b["old_logp"] = self.policy.log_probs(ids, mask, **batching)[0][:, width - 1 :]
         if cfg.algo.kl_coef > 0:
@@ -260,10 +268,7 @@ class GroupController:
         """Critic step (when there is one), then the policy: `algo.ppo_epochs` passes over the batch, each
         in `algo.ppo_mini_batches` optimizer steps (after the first, the importance ratio moves away from 1
         and the PPO clip binds). Metrics are averaged over the optimizer steps."""
-        cfg, b, width = self.config, local.batch, local.prompt_width
-        batching: dict = {"micro_batch_size": cfg.train.micro_batch_size}
-        if cfg.train.max_tokens_per_micro_batch:
-            batching["max_tokens_per_micro_batch"] = cfg.train.max_tokens_per_micro_batch
+        cfg, b, width, batching = self.config, local.batch, local.prompt_width, self.batching
         stats: dict[str, float] = {}
         if self.critic is not None:
             global_tokens = self._dp_sum(b["response_mask"].sum())
@@ -302,19 +307,6 @@ class GroupController:
             local = box[0]
         assert local is not None, "the group's controller always sends a batch"
         return local
-
-    def _dp_whiten(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Whiten x over the mask-1 tokens of every data-parallel group (global mean, unbiased std)."""
-        m = mask.bool()
-        sel = x[m].to(torch.float64)
-        stats = torch.stack(
-            [sel.sum(), (sel * sel).sum(), torch.tensor(float(sel.numel()), dtype=torch.float64)]
-        )
-        dist.all_reduce(stats, group=self.dp_group)
-        total, total_sq, count = stats.tolist()
-        mean = total / count
-        std = max((total_sq - count * mean * mean) / max(count - 1.0, 1.0), 0.0) ** 0.5
-        return torch.where(m, (x - mean) / (std + 1e-6), torch.zeros((), dtype=x.dtype))
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         total = value.detach().to(torch.float64).reshape(1).clone()

@@ -7,6 +7,8 @@ final checkpoint handle and errors.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
 import threading
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from yatt_ray.config import Config, load_config, validate
+from yatt_ray.config import Config, apply_override, load_config, validate
 from yatt_ray.errors import ConfigError, WorkerError, YattError
 
 log = logging.getLogger(__name__)
@@ -51,28 +53,19 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
 
 
 def _resolve_config(config: Config | dict | str | Path | None, overrides: list[str] | None) -> Config:
+    """A validated copy of the input: fit() fills in paths and the engine kind without touching the caller's."""
     if config is None or isinstance(config, str | Path):
         return load_config(config, overrides)
-    if isinstance(config, dict):
-        config = Config.from_dict(config)
-    if not isinstance(config, Config):
+    if isinstance(config, Config):
+        config = config.to_dict()  # a deep copy
+    if not isinstance(config, dict):
         raise ConfigError(f"fit() takes a Config, a dict, a YAML path or None; got {type(config).__name__}")
-    if overrides:
-        config = load_config(None, _flatten(config.to_dict()) + list(overrides))
-    validate(config)
-    return config
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> list[str]:
-    import json
-
-    out = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out += _flatten(value, f"{prefix}{key}.")
-        else:
-            out.append(f"{prefix}{key}={json.dumps(value)}")
-    return out
+    data = copy.deepcopy(config)
+    for item in overrides or []:
+        apply_override(data, item)
+    resolved = Config.from_dict(data)
+    validate(resolved)
+    return resolved
 
 
 def _prepare_inputs(config: Config) -> None:
@@ -172,7 +165,7 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
     train_shards = build_dataset(config.data, files["train"]).streaming_split(dp, equal=True)
     eval_shards = None
     if "eval" in files:
-        eval_data = type(config.data)(**{**config.data.__dict__, "shuffle_seed": None})
+        eval_data = dataclasses.replace(config.data, shuffle_seed=None)
         eval_shards = build_dataset(eval_data, files["eval"]).streaming_split(dp, equal=True)
     hub = start_hub()
     trainer = TorchTrainer(

@@ -1,4 +1,4 @@
-"""The mathematics of one GRPO step around the trainer: advantages, the loss closure and metric reduction.
+"""The mathematics of one RL step around the trainer: advantages, the loss closures and metric reduction.
 
 Kept apart from the controller so that each piece is a small function with tensors in and tensors out.
 """
@@ -16,6 +16,7 @@ from yatt_ray.algos import (
     POLICY_LOSSES,
     aggregate,
     broadcast_to_tokens,
+    clipped_value_loss,
     kl_estimate,
     masked_whiten,
     token_rewards_from_outcome,
@@ -54,7 +55,8 @@ def compute_advantages(
     Outcome estimators (grpo, rloo, reinforce_pp, remax) turn rewards [N] (a prompt's n samples adjacent)
     into one advantage per sample, broadcast over its response tokens. GAE places the outcome reward on the
     last response token and runs over the critic's values; its advantages are whitened with `whiten`
-    (the controller passes one with statistics over every data-parallel group's tokens). With `algo.kl_in_reward`, the per-token KL to the reference is a reward penalty:
+    (the controller passes one with statistics over every data-parallel group's tokens). With
+    `algo.kl_in_reward`, the per-token KL to the reference is a reward penalty:
     r_t -= kl_coef * KL_t (GAE), or r -= kl_coef * sum_t KL_t (outcome estimators). For REINFORCE++ that
     is a departure from its paper, which places the KL on each token and takes the reward-to-go.
     """
@@ -116,10 +118,7 @@ def policy_loss_fn(
             per_token, mask, algo.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
             norm_len=float(norm_len) if algo.loss_agg == "seq-mean-token-sum-norm" else None,
         )  # fmt: skip
-        metrics = {
-            k: float(aggregate(v, mask, "token-mean", global_tokens=global_tokens)) for k, v in share.items()
-        }
-        return loss, metrics
+        return loss, _token_mean_shares(share, mask, global_tokens)
 
     return loss_fn
 
@@ -128,7 +127,6 @@ def value_loss_fn(value_clip: float | None, prompt_width: int, global_tokens: fl
     """The per-micro-batch critic loss for MegatronCritic.train_step: token-mean of
     0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clamp(V - V_old, -c, c) (PPO value clipping;
     plain 0.5 (V - R)^2 when `value_clip` is None), over the global token count."""
-    from yatt_ray.algos import clipped_value_loss
 
     def loss_fn(values: torch.Tensor, mb: dict[str, torch.Tensor]):
         v = values[:, prompt_width - 1 :]
@@ -136,12 +134,16 @@ def value_loss_fn(value_clip: float | None, prompt_width: int, global_tokens: fl
         per_token, stats = clipped_value_loss(v, mb["values"], mb["returns"], value_clip)
         loss = aggregate(per_token, mask, "token-mean", global_tokens=global_tokens)
         shares = {"value_loss": per_token.detach(), "value_clipfrac": stats["clipped"]}
-        metrics = {
-            k: float(aggregate(t, mask, "token-mean", global_tokens=global_tokens)) for k, t in shares.items()
-        }
-        return loss, metrics
+        return loss, _token_mean_shares(shares, mask, global_tokens)
 
     return loss_fn
+
+
+def _token_mean_shares(per_token: dict[str, torch.Tensor], mask: torch.Tensor, global_tokens: float):
+    """Logged values as this micro-batch's share of the global token mean (shares sum to batch means)."""
+    return {
+        k: float(aggregate(v, mask, "token-mean", global_tokens=global_tokens)) for k, v in per_token.items()
+    }
 
 
 _SUMS = (

@@ -348,3 +348,39 @@ def test_token_rewards_from_outcome_hand_computed():
         token_rewards_from_outcome(seq_rewards, torch.tensor([[1, 0, 0], [0, 0, 0]]))
     with pytest.raises(ValueError, match=r"seq_rewards must have shape \[B\]"):
         token_rewards_from_outcome(torch.zeros(3), mask)
+
+
+def test_masked_whiten_across_ranks_equals_the_whole_batch():
+    """Two simulated data-parallel ranks (threads exchanging sums) whiten with the whole batch's statistics."""
+    import threading
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, dtype=F64)
+    mask = (torch.rand(6, 5) > 0.3).to(F64)
+    box: dict[int, torch.Tensor] = {}
+    barrier = threading.Barrier(2)
+
+    def sum_with_peer(rank):
+        def all_reduce(t):
+            box[rank] = t.clone()
+            barrier.wait()
+            t.copy_(box[0] + box[1])
+            barrier.wait()
+
+        return all_reduce
+
+    halves: dict[int, torch.Tensor] = {}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: halves.__setitem__(
+                r, masked_whiten(x[3 * r : 3 * r + 3], mask[3 * r : 3 * r + 3], all_reduce=sum_with_peer(r))
+            )
+        )
+        for r in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    torch.testing.assert_close(torch.cat([halves[0], halves[1]]), masked_whiten(x, mask), rtol=0, atol=1e-12)
+    assert not torch.allclose(halves[0], masked_whiten(x[:3], mask[:3]))  # local statistics would differ

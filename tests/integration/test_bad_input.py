@@ -22,7 +22,7 @@ def good_data(tmp_path_factory):
 
 
 def test_missing_model_directory(tmp_path, good_data):
-    with pytest.raises(yatt_ray.ConfigError, match="does not exist|not found|no config.json") as info:
+    with pytest.raises(yatt_ray.ConfigError, match="no_model' does not exist; .*Fix model.path") as info:
         yatt_ray.fit(config(tmp_path, f"model.path={tmp_path}/no_model", f"data.train_files=[{good_data}]"))
     assert "no_model" in str(info.value)
 

@@ -155,3 +155,12 @@ def ref():
         prompts = PROMPTS
 
     return Ref
+
+
+@pytest.fixture
+def old_weights(engine, hf_models):
+    """Every test starts from (and leaves) the old model's weights; `engine` is each test module's own."""
+    engine.load_weights(hf_models[0].state_dict().items())
+    yield
+    engine.load_weights(hf_models[0].state_dict().items())
+    engine.finish_weight_sync()

@@ -18,14 +18,6 @@ def engine(model_dirs):
     engine.close()
 
 
-@pytest.fixture
-def old_weights(engine, hf_models):
-    """Every test starts from (and leaves) the old model's weights."""
-    engine.load_weights(hf_models[0].state_dict().items())
-    yield
-    engine.load_weights(hf_models[0].state_dict().items())
-
-
 def test_greedy_matches_reference_loop_with_left_padding(engine, hf_models, ref, old_weights):
     ref.check_greedy(engine, hf_models[0])  # 4 prompts of lengths 3..41 in one left-padded batch
 

@@ -33,14 +33,6 @@ def engine(model_dirs):
     engine.close()
 
 
-@pytest.fixture
-def old_weights(engine, hf_models):
-    engine.load_weights(hf_models[0].state_dict().items())
-    yield
-    engine.load_weights(hf_models[0].state_dict().items())
-    engine.finish_weight_sync()
-
-
 def test_greedy_matches_hf_engine_and_reference(engine, model_dirs, hf_models, ref, old_weights):
     from_vllm = ref.check_greedy(engine, hf_models[0], max_new_tokens=20)
     hf_engine = HFEngine(model_dirs[0], device="cpu")

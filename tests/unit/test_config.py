@@ -75,3 +75,12 @@ def test_missing_config_file():
 def test_user_reward_function_by_dotted_path():
     cfg = load_config(None, ["reward.function=yatt_ray.reward.rules:exact_match"])
     assert cfg.reward.function.endswith("exact_match")
+
+
+def test_fit_resolves_a_copy_and_leaves_the_callers_config_alone():
+    from yatt_ray.fit import _resolve_config
+
+    mine = load_config(EXAMPLE)
+    resolved = _resolve_config(mine, ["train.steps=3"])
+    resolved.model.path = "/somewhere"
+    assert resolved.train.steps == 3 and mine.train.steps == 80 and mine.model.path == ""

@@ -327,7 +327,13 @@ def gae_advantages(
     return adv, returns
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-6) -> Tensor:
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-6,
+    all_reduce: Callable[[Tensor], None] | None = None,
+) -> Tensor:
     r"""Whiten ``x`` over its mask-1 elements: ``(x - mean) / (std + eps)``; shapes [B, T] -> [B, T].
 
     ``mean`` and ``std`` are taken over the ``N = mask.sum()`` selected elements of the whole tensor (every
@@ -335,20 +341,32 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     ``eps`` = 1e-6 is added to the std. With ``shift_mean=False`` the mean is added back,
     ``(x - mean) / (std + eps) + mean``: the spread is normalised but the sign and offset are kept (the usual
     choice for rewards, as opposed to advantages). Masked positions are exactly 0. If all selected values are
-    equal the centred part is exactly 0. Raises `ValueError` for N < 2. Computed in at least float32, and not
-    detached (call it on data, or under ``torch.no_grad``).
+    equal the centred part is exactly 0. Raises `ValueError` for N < 2. Statistics are computed in float64
+    in two passes (mean, then squared deviations); the result is in at least float32, and not detached (call
+    it on data, or under ``torch.no_grad``).
+
+    ``all_reduce``, when given, sums a float64 tensor in place across data-parallel ranks (e.g.
+    ``lambda t: dist.all_reduce(t, group=dp_group)``): the statistics then cover every rank's elements, so
+    the result does not depend on how the batch is split. Every rank must call it.
     """
     _check_token_shapes(x=x, mask=mask)
     m = mask.bool()
-    n = int(m.sum())
+    sel = x[m].to(torch.float64)
+    reduce = all_reduce or (lambda t: None)
+    totals = torch.stack([sel.sum(), torch.tensor(float(sel.numel()), dtype=torch.float64)])
+    reduce(totals)
+    total, n = totals.tolist()
     if n < 2:
-        raise ValueError(f"masked_whiten needs at least 2 selected elements, got {n}; check the mask")
+        raise ValueError(f"masked_whiten needs at least 2 selected elements, got {int(n)}; check the mask")
+    mean = total / n
+    spread = torch.stack([((sel - mean) ** 2).sum(), (sel != mean).sum().to(torch.float64)])
+    reduce(spread)
+    squares, differing = spread.tolist()
     xf = x.to(_float_dtype(x))
-    sel = xf[m]
-    mean = sel.mean()
-    centred = (xf - mean) / (sel.std(correction=1) + eps)
-    if bool((sel == sel[0]).all()):
-        centred = torch.zeros_like(centred)
+    if differing == 0:  # all selected values equal
+        centred = torch.zeros_like(xf)
+    else:
+        centred = (xf - mean) / ((squares / (n - 1)) ** 0.5 + eps)
     out = centred + mean if not shift_mean else centred
     return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
