@@ -1,12 +1,19 @@
 """The one channel from workers to the driver: a small actor that holds per-step scalar metrics.
 
 Workers push one row of scalars per step; the driver polls for new rows to drive its progress bar and
-sinks. Rows with anything but numbers are refused, so samples can never reach the driver this way.
+sinks. Rows with anything but numbers are refused, so samples can never reach the driver this way. Workers
+also push the spans of the idle-time timeline (`yatt_ray.metrics.timeline`) in its wire format: short names
+and numbers only, validated the same way.
 """
 
 from __future__ import annotations
 
 import numbers
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from yatt_ray.metrics.timeline import WireSpan, from_wire, to_wire
 
 
 def start_hub():
@@ -29,13 +36,27 @@ def check_scalars(row: dict) -> dict[str, float]:
 
 
 class MetricsHub:
-    """Append-only list of metric rows; `rows_since(i)` returns rows i, i+1, ..."""
+    """Append-only lists of metric rows and timeline spans; `rows_since(i)` returns rows i, i+1, ... and
+    `spans_since(i)` spans i, i+1, ... (as wire tuples)."""
 
     def __init__(self) -> None:
         self._rows: list[dict[str, float]] = []
+        self._spans: list[WireSpan] = []
 
     def push(self, row: dict) -> None:
         self._rows.append(check_scalars(row))
 
     def rows_since(self, index: int) -> list[dict[str, float]]:
         return self._rows[index:]
+
+    def push_spans(self, spans: Iterable[Sequence[Any]]) -> None:
+        """Append wire spans (`timeline.to_wire`); a bad one (long name, non-number, ...) rejects the whole
+        push with `ValueError`. Names are interned so that repeated names pickle once per reply."""
+        checked = to_wire(from_wire(spans))
+        self._spans.extend(
+            (sys.intern(r), sys.intern(w), sys.intern(a), sys.intern(p), step, start, end, busy)
+            for r, w, a, p, step, start, end, busy in checked
+        )
+
+    def spans_since(self, index: int) -> list[WireSpan]:
+        return self._spans[index:]
