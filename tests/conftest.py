@@ -56,7 +56,7 @@ def ray_cluster(tmp_path_factory, demo_cache):
         "YATT_RAY_CACHE": os.environ["YATT_RAY_CACHE"],
     }
     start = [
-        str(BIN / "ray"), "start", "--head", f"--port={gcs_port}",         "--num-cpus=8", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+        str(BIN / "ray"), "start", "--head", f"--port={gcs_port}",         "--num-cpus=8", "--num-gpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
         "--disable-usage-stats",
     ]  # fmt: skip
     subprocess.run(start, check=True, env=env, cwd=REPO, capture_output=True, timeout=180)

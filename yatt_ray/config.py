@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,54 @@ class RolloutConfig:
 
 
 @dataclass
-class RewardConfig:
-    """How responses are scored: a built-in rule name or a user function as `package.module:function`."""
+class GenRMConfig:
+    """The generative reward model (judge), served by Ray Serve when `reward.mode` is genrm or mix.
 
+    `template`: a string with {prompt}, {response}, {ground_truth}, or `pkg.mod:fn` returning the judge
+    prompt; `parser`: yes_no | score | `pkg.mod:fn` (text -> score in [0, 1] or None). An unparsable verdict
+    is counted (`genrm/parse_failures`) and handled by `on_parse_error`: zero (score 0), rule (the rule
+    reward of that sample) or raise (stop the run).
+    """
+
+    path: str = ""  # Hugging Face directory of the judge; "" with the demo builds the tiny judge
+    template: str = "default"  # "default" = yatt_ray.reward.genrm.DEFAULT_TEMPLATE
+    parser: str = "yes_no"
+    on_parse_error: str = "zero"
+    engine: str = "auto"  # vllm | hf | auto
+    max_new_tokens: int = 4
+    max_prompt_tokens: int = 512  # the rendered judge prompt keeps its last tokens
+    kv_cache_gb: float = 0.5
+    replicas: int = 1  # partial coexistence: replicas at start (full: one per training accelerator)
+    max_replicas: int | None = None  # partial: autoscale up to this many with the load (None = fixed)
+    accelerators_per_replica: int = 1  # partial: whole accelerators per replica
+    batch_size: int = 64
+    batch_wait_s: float = 0.01
+    timeout_s: float = 60.0  # per request attempt
+    max_retries: int = 3  # attempts after the first when a replica fails or times out
+    idle_release_s: float = 0.5  # full: a replica sleeps after this long without a batch
+    http_port: int | None = None  # serve HTTP on 127.0.0.1:<port> too (off by default: handles only)
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored: `mode` rule (the rule function), genrm (the judge) or mix
+    (`(1 - genrm_weight) * rule + genrm_weight * genrm`). `function` is a built-in rule name or a user
+    function as `package.module:function` (sync or async)."""
+
+    mode: str = "rule"
     function: str = "exact_match"
+    genrm_weight: float = 0.5
+    genrm: GenRMConfig = field(default_factory=GenRMConfig)
+
+
+@dataclass
+class PlacementConfig:
+    """full: every role shares every accelerator, phases in series; partial: GenRM replicas on their own
+    slice (`reward.genrm.replicas` x `accelerators_per_replica`), judging while rollouts generate."""
+
+    mode: str = "full"
+    genrm_share: float = 0.1  # full: the part of each GPU's Ray resource its GenRM replica claims (a token)
+    gpu_memory_gb: float | None = None  # per accelerator; set it to check that the plan fits in memory
 
 
 # algo.name -> its advantage estimator (algo.advantage overrides it)
@@ -151,6 +196,7 @@ class DemoConfig:
     """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
 
     sft_steps: int = 250
+    judge_sft_steps: int = 400  # the demo GenRM judge (built only when reward.mode uses a GenRM)
     max_operand: int = 19
     train_prompts: int = 4096
     eval_prompts: int = 128
@@ -162,6 +208,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -382,6 +429,7 @@ def validate(config: Config) -> None:
         resolve_reward_fn(config.reward.function)
     except ConfigError as exc:
         errors.append(str(exc))
+    _validate_reward(config, need)
     need(
         config.cluster.cpus_per_worker >= 1,
         f"cluster.cpus_per_worker={config.cluster.cpus_per_worker} must be >= 1",
@@ -389,3 +437,36 @@ def validate(config: Config) -> None:
     need(config.cluster.timeout_s > 0, f"cluster.timeout_s={config.cluster.timeout_s} must be > 0")
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _validate_reward(config: Config, need: Callable[[bool, str], None]) -> None:
+    from yatt_ray.reward.genrm import resolve_parser, resolve_template
+
+    rw, g, p = config.reward, config.reward.genrm, config.placement
+    need(rw.mode in ("rule", "genrm", "mix"), f"reward.mode={rw.mode!r} is unknown; valid: genrm, mix, rule")
+    need(0 <= rw.genrm_weight <= 1, f"reward.genrm_weight={rw.genrm_weight} must be in [0, 1]")
+    need(p.mode in ("full", "partial"), f"placement.mode={p.mode!r} is unknown; valid: full, partial")
+    need(0 < p.genrm_share < 1, f"placement.genrm_share={p.genrm_share} must be in (0, 1)")
+    need(
+        g.on_parse_error in ("zero", "rule", "raise"),
+        f"reward.genrm.on_parse_error={g.on_parse_error!r} is unknown; valid: raise, rule, zero",
+    )
+    need(
+        g.engine in ("auto", "vllm", "hf"),
+        f"reward.genrm.engine={g.engine!r} is unknown; valid: auto, hf, vllm",
+    )
+    for key in ("max_new_tokens", "max_prompt_tokens", "replicas", "accelerators_per_replica", "batch_size"):
+        need(getattr(g, key) >= 1, f"reward.genrm.{key}={getattr(g, key)} must be >= 1")
+    need(g.max_retries >= 0, f"reward.genrm.max_retries={g.max_retries} must be >= 0")
+    for key in ("timeout_s", "idle_release_s", "kv_cache_gb"):
+        need(getattr(g, key) > 0, f"reward.genrm.{key}={getattr(g, key)} must be > 0")
+    need(
+        g.max_replicas is None or g.max_replicas >= g.replicas,
+        f"reward.genrm.max_replicas={g.max_replicas} must be >= reward.genrm.replicas={g.replicas} (or null)",
+    )
+    if rw.mode != "rule":
+        for check in (lambda: resolve_template(g.template), lambda: resolve_parser(g.parser)):
+            try:
+                check()
+            except ConfigError as exc:
+                need(False, str(exc))

@@ -33,7 +33,9 @@ from yatt_ray.algos import (
 from yatt_ray.batch import pack
 from yatt_ray.config import Config
 from yatt_ray.errors import DataError
+from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
+from yatt_ray.reward.scorer import Sample
 from yatt_ray.rollout.base import SamplingSpec
 from yatt_ray.step import StepInputs, compute_advantages, policy_loss_fn, reduce_metrics, value_loss_fn
 
@@ -106,7 +108,10 @@ class GroupController:
         self.batching: dict = {"micro_batch_size": t.micro_batch_size}  # how trainer passes split a batch
         if t.max_tokens_per_micro_batch:
             self.batching["max_tokens_per_micro_batch"] = t.max_tokens_per_micro_batch
-        self.timer = PhaseTimer()
+        worker = f"rank{self.layout.rank}"
+        self.recorder = SpanRecorder("trainer", worker, local_accelerator(worker))
+        self.timer = PhaseTimer(recorder=self.recorder)
+        self.memory: dict[str, float] = {}  # bytes released between phases this step (full coexistence)
         self.prompts_per_group = t.prompts_per_step // t.dp_size
         if self.layout.is_controller:
             self._init_controller(loop_config)
@@ -129,11 +134,15 @@ class GroupController:
         from transformers import AutoTokenizer
 
         from yatt_ray.reward import resolve_reward_fn
+        from yatt_ray.reward.scorer import RewardScorer
         from yatt_ray.rollout import make_engine
 
         cfg, dp = self.config, self.layout.dp_rank
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.reward_fn = resolve_reward_fn(cfg.reward.function)
+        self.reward_fn = resolve_reward_fn(cfg.reward.function)  # eval: the rule is the ground truth
+        self.scorer = RewardScorer(cfg.reward, connect_timeout_s=cfg.cluster.timeout_s)
+        # partial coexistence: each prompt's samples go to the GenRM as soon as they finish generating
+        self.stream_to_genrm = cfg.reward.mode != "rule" and cfg.placement.mode == "partial"
         self.engine = make_engine(
             cfg.rollout.engine,  # resolved to "vllm" or "hf" by the driver
             cfg.model.path,
@@ -165,15 +174,16 @@ class GroupController:
         """One RL step for this group; returns the step's metrics reduced over all groups."""
         cfg, timer = self.config, self.timer
         timer.reset()
+        self.recorder.step = step
+        self.memory = {}
         start = time.perf_counter()
         if self.offload:
             with timer.phase("offload"):
                 self._move_trainers("offload")
-        with timer.phase("rollout"):
-            local = self._rollout() if self.layout.is_controller else None
-        with timer.phase("reward"):
-            if local is not None:
-                self._score(local)
+        with timer.phase("rollout", busy=self.layout.is_controller):
+            rollout = self._rollout(step) if self.layout.is_controller else None
+        with timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
+            local = self._score(*rollout) if rollout is not None else None
         if self.offload:
             with timer.phase("offload"):
                 self._move_trainers("onload")
@@ -195,20 +205,40 @@ class GroupController:
         metrics["kl_coef"] = self.kl_ctl.value
         if "kl_per_sequence" in metrics and self._policy_moves(step):  # no KL to track while frozen
             self.kl_ctl.update(metrics["kl_per_sequence"], n_steps=int(metrics["samples"]))
+        self._push_spans()
         return metrics
+
+    def _push_spans(self) -> None:
+        """Every rank's busy intervals of the step, for the driver's timeline (names and times only)."""
+        import ray
+
+        spans = to_wire(self.recorder.drain())
+        ray.get(self.hub.push_spans.remote(spans), timeout=self.config.cluster.timeout_s)
 
     def _move_trainers(self, direction: str) -> None:
         """Full coexistence: "offload" gives the accelerator to the rollout engine (trainer weights, grads and
         optimizer state to host memory); "onload" brings them back for the log-prob and train phases."""
         for trainer in (self.policy, self.critic):
-            if trainer is not None:
-                trainer.offload() if direction == "offload" else trainer.onload()
+            if trainer is None:
+                continue
+            if direction == "offload":
+                self._count_freed("trainer_offloaded", trainer.offload())
+            else:
+                trainer.onload()
+
+    def _count_freed(self, what: str, nbytes: int) -> None:
+        key = f"memory/{what}_gb"
+        self.memory[key] = self.memory.get(key, 0.0) + nbytes / 2**30
 
     def _policy_moves(self, step: int) -> bool:
         """False during the critic's warm-up steps, when only the value model trains."""
         return step > self.config.critic.warmup_steps
 
-    def _rollout(self) -> StepInputs:
+    def _rollout(self, step: int) -> tuple[StepInputs, list[Sample], list[Sample]]:
+        """Generate the group's samples; returns the batch and what scoring needs (samples, greedy samples).
+
+        In partial coexistence each prompt's samples are sent to the GenRM as soon as they are generated.
+        """
         cfg = self.config
         rows = next(self.prompt_stream)
         encoded = [self.tokenizer(str(p))["input_ids"] for p in rows["prompt"]]
@@ -220,37 +250,57 @@ class GroupController:
             top_p=cfg.rollout.top_p,
             stop_token_ids=self.stop_ids,
         )
+
+        def samples_of(i: int, group: list, tag: str = "") -> list[Sample]:
+            return [
+                Sample(
+                    key=f"{step}/{self.layout.dp_rank}/{tag}{i * len(group) + j}",
+                    prompt=str(rows["prompt"][i]),
+                    response=self._decode(c.token_ids),
+                    ground_truth=str(rows["ground_truth"][i]),
+                    data_source=str(rows["data_source"][i]),
+                )
+                for j, c in enumerate(group)
+            ]
+
+        def stream(i: int, group: list) -> None:
+            self.scorer.submit(samples_of(i, group))
+
         self.engine.wake()
-        completions = self.engine.generate(prompt_ids, spec)
-        greedy_texts = None
+        completions = self.engine.generate(
+            prompt_ids, spec, on_finished=stream if self.stream_to_genrm else None
+        )
+        greedy = None
         if self.needs_greedy:  # ReMax's baseline: one greedy response per prompt
             greedy = self.engine.generate(prompt_ids, replace(spec, n=1, temperature=0.0))
-            greedy_texts = [self._decode(g[0].token_ids) for g in greedy]
-        self.engine.sleep()
+        self._count_freed("rollout_released", self.engine.sleep())
+        samples = [x for i, group in enumerate(completions) for x in samples_of(i, group)]
+        greedy_samples = [x for i, g in enumerate(greedy or []) for x in samples_of(i, g, tag="g")]
         flat = [c for group in completions for c in group]
         prompts = [p for p in prompt_ids for _ in range(cfg.rollout.n)]
         batch, width = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat])
-        return StepInputs(
+        local = StepInputs(
             batch=batch,
             prompt_width=width,
-            texts=[self._decode(c.token_ids) for c in flat],
-            ground_truths=[str(g) for g in rows["ground_truth"] for _ in range(cfg.rollout.n)],
-            sources=[str(s) for s in rows["data_source"] for _ in range(cfg.rollout.n)],
+            texts=[x.response for x in samples],
+            ground_truths=[x.ground_truth for x in samples],
+            sources=[x.data_source for x in samples],
             n=cfg.rollout.n,
             truncated=sum(c.finish_reason == "length" for c in flat),
             prompts_clipped=sum(len(ids) > self.config.data.max_prompt_tokens for ids in encoded),
-            greedy_texts=greedy_texts,
+            greedy_texts=[x.response for x in greedy_samples] if greedy else None,
         )
+        return local, samples, greedy_samples
 
-    def _score(self, local: StepInputs) -> None:
-        """Rule rewards for every sample, and for the greedy responses when the estimator needs them."""
-        local.rewards = torch.tensor(
-            [self.reward_fn(text, gt, src) for text, gt, src in local.scoring_inputs()], dtype=torch.float32
-        )
-        if local.greedy_texts is not None:
-            n = local.n
-            prompts = zip(local.greedy_texts, local.ground_truths[::n], local.sources[::n])
-            local.greedy_rewards = torch.tensor([self.reward_fn(*p) for p in prompts], dtype=torch.float32)
+    def _score(self, local: StepInputs, samples: list[Sample], greedy: list[Sample]) -> StepInputs:
+        """Rewards for every sample (and the greedy responses when the estimator needs them): rules here,
+        GenRM verdicts from the Serve deployment (already judging in partial coexistence)."""
+        self.scorer.submit(greedy if self.stream_to_genrm else samples + greedy)
+        local.rewards = torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
+        if greedy:
+            local.greedy_rewards = torch.tensor(self.scorer.scores(greedy), dtype=torch.float32)
+        local.counters = {**self.scorer.take_stats(), **self.memory}
+        return local
 
     def _old_log_probs_and_values(self, local: StepInputs) -> None:
         """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens."""

@@ -46,10 +46,11 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
 
     from yatt_ray.placement import plan_placement
 
-    plan = plan_placement(config, ray.cluster_resources())
-    _resolve_engine(config, plan)
+    plan = plan_placement(config, ray.cluster_resources(), _model_sizes(config))
+    real_gpus = _gpus_are_real(plan, config.cluster.timeout_s)
+    _resolve_engine(config, real_gpus)
     print(plan.describe() + f"\n  rollout engine: {config.rollout.engine}", flush=True)
-    return _run(config, plan, files)
+    return _run(config, plan, files, real_gpus)
 
 
 def _resolve_config(config: Config | dict | str | Path | None, overrides: list[str] | None) -> Config:
@@ -101,6 +102,8 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
                 f"critic.path={config.critic.path!r} has a vocabulary of {critic.vocab_size} tokens but the policy "
                 f"has {shape.vocab_size}; the critic must read the policy's tokens (same tokenizer)"
             )
+    if config.reward.mode != "rule":
+        _check_judge(config)
     longest = config.data.max_prompt_tokens + config.rollout.max_new_tokens
     if longest > shape.max_positions:
         raise ConfigError(
@@ -113,7 +116,62 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     return files
 
 
-def _resolve_engine(config: Config, plan) -> None:
+def _check_judge(config: Config) -> None:
+    """The GenRM judge must be a Hugging Face directory whose heads split over its accelerators."""
+    import json
+
+    g = config.reward.genrm
+    path = Path(g.path).expanduser() if g.path else None
+    if path is None or not (path / "config.json").is_file():
+        raise ConfigError(
+            f"reward.mode={config.reward.mode!r} needs a judge: reward.genrm.path={g.path!r} is not a Hugging "
+            "Face model directory (config.json). Point it at one, or use reward.mode=rule"
+        )
+    g.path = str(path.resolve())
+    heads = json.loads((path / "config.json").read_text()).get("num_attention_heads", 1)
+    if heads % g.accelerators_per_replica:
+        raise ConfigError(
+            f"reward.genrm.accelerators_per_replica={g.accelerators_per_replica} does not divide the judge's "
+            f"{heads} attention heads; pick a divisor of {heads}"
+        )
+
+
+def _model_sizes(config: Config):
+    """Parameter counts for the placement plan's memory check."""
+    from yatt_ray.placement import ModelSizes, param_count
+
+    critic = param_count(config.critic.path or config.model.path) if config.critic.enable else 0
+    judge = 0
+    if config.reward.mode != "rule":
+        try:
+            judge = param_count(config.reward.genrm.path)
+        except ConfigError:  # a judge of another architecture: the check counts the policy side only
+            judge = 0
+    return ModelSizes(policy=param_count(config.model.path), critic=critic, judge=judge)
+
+
+def _gpus_are_real(plan, timeout_s: float) -> bool:
+    """Whether the GPUs the plan claims have CUDA behind them. A cluster may declare logical GPUs (CPU
+    tests of placement): the plan follows them, and the workers compute on their CPUs."""
+    if not plan.uses_gpus:
+        return False
+    import ray
+
+    @ray.remote(num_gpus=plan.gpus_per_worker, num_cpus=0)
+    def probe() -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
+    real = bool(ray.get(probe.remote(), timeout=timeout_s))
+    if not real:
+        log.warning(
+            "the cluster's GPUs have no CUDA behind them: placement follows them, compute runs on CPUs"
+        )
+    return real
+
+
+def _resolve_engine(config: Config, on_gpu: bool) -> None:
     """Decide "auto" once, on the driver, so every controller builds the same kind of engine.
 
     vLLM when installed (on CPU workers: when its CPU attention supports the model's head size), except
@@ -128,7 +186,7 @@ def _resolve_engine(config: Config, plan) -> None:
         config.rollout.engine = "hf"
         log.warning("rollout.engine=auto -> hf: the colocated vLLM engine needs train.tp_size=1")
         return
-    config.rollout.engine = resolve_engine_kind("auto", config.model.path, on_gpu=bool(plan.gpus_per_worker))
+    config.rollout.engine = resolve_engine_kind("auto", config.model.path, on_gpu=on_gpu)
 
 
 def _connect(config: Config) -> None:
@@ -149,7 +207,7 @@ def _connect(config: Config) -> None:
     ray.init(num_cpus=max(cores, min(needed, 4 * cores)))
 
 
-def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
+def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> Result:
     import ray
     import ray.data
     from ray.train import RunConfig, ScalingConfig
@@ -158,6 +216,7 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
     from yatt_ray.metrics.hub import start_hub
+    from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
     output_dir = _output_dir(config)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
@@ -177,11 +236,11 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
             "eval_shards": eval_shards,
         },
         # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors
-        torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if plan.gpus_per_worker else "gloo"),
+        torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if real_gpus else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=plan.num_workers,
-            use_gpu=bool(plan.gpus_per_worker),
-            resources_per_worker={"CPU": plan.cpus_per_worker},
+            use_gpu=plan.uses_gpus,
+            resources_per_worker=plan.trainer_resources(),
         ),
         run_config=RunConfig(name="train", storage_path=str(output_dir / "ray")),
     )
@@ -190,13 +249,20 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
     progress = DriverProgress(hub, config, output_dir)
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
-    thread.start()
+    genrm_first = plan.genrm is not None and not (plan.mode == "full" and plan.uses_gpus)
     try:
+        if genrm_first:  # partial coexistence (or no GPUs): the judges are up before the first rollout
+            deploy_genrm(config, plan, hub)
+        thread.start()
+        if plan.genrm is not None and not genrm_first:
+            _deploy_beside_trainers(config, plan, hub)
         while thread.is_alive():
             progress.poll()
             time.sleep(0.5)
         progress.poll()
     finally:
+        if plan.genrm is not None:
+            shutdown_genrm()
         progress.close()  # metrics so far are flushed and plotted even when the run fails
     if "error" in outcome:
         raise _worker_error(outcome["error"]) from outcome["error"]
@@ -206,6 +272,22 @@ def _run(config: Config, plan, files: dict[str, list[str]]) -> Result:
         checkpoint_path=os.path.join(checkpoint.path, "policy_hf") if checkpoint else None,
         output_dir=str(output_dir),
     )
+
+
+def _deploy_beside_trainers(config: Config, plan, hub) -> None:
+    """Full coexistence on GPUs: once the trainers hold their GPUs, each GenRM replica takes the share left
+    beside one of them (GPUs nobody uses are fenced meanwhile)."""
+    import ray
+
+    from yatt_ray.reward.service import deploy_genrm, fence_free_gpus, wait_for_trainers
+
+    wait_for_trainers(plan, config.cluster.timeout_s)
+    fence = fence_free_gpus(plan)
+    try:
+        deploy_genrm(config, plan, hub)
+    finally:
+        if fence is not None:
+            ray.util.remove_placement_group(fence)
 
 
 def _fit_into(trainer, outcome: dict) -> None:

@@ -1,8 +1,21 @@
 """Where the roles run: a placement plan computed from the config and the cluster's resources.
 
-Full coexistence (this module's only mode so far): every training worker hosts the policy, the reference
-model and, on the controller rank of each data-parallel group, the rollout engine; the phases share the
-worker's accelerator in series. Workers = dp_size x tp_size, one accelerator each when the cluster has them.
+Training workers = dp_size x tp_size. Each hosts the policy (+ reference, + critic) and, on the controller
+rank of its data-parallel group, the rollout engine; those share the worker's accelerator in series. The
+generative reward model (GenRM, a Ray Serve deployment) is placed by `placement.mode`:
+
+* full coexistence: one GenRM replica per training accelerator, on that same accelerator. Ray counts a GPU
+  as 1.0, so a trainer claims `1 - genrm_share` and its replica `genrm_share` (a scheduling token, not a
+  memory split: the phases run in series and each sleeps while the others work).
+* partial coexistence: GenRM replicas on their own slice, `accelerators_per_replica` whole accelerators each
+  (a placement-group bundle per accelerator behind each Serve replica); up to `max_replicas` of them when
+  the deployment autoscales. The trainers keep their slice for rollout and training.
+
+Memory (checked when `placement.gpu_memory_gb` is set) is estimated per accelerator from the parameter
+counts, in bytes: trainer 18 P / tp (bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Adam moments 8;
++ 2 P / tp for a reference model, + 18 P_critic / tp for a critic), rollout 2 P + KV cache, GenRM
+2 J / accelerators_per_replica + KV cache. Full coexistence needs the largest phase; partial needs
+max(trainer, rollout) on the trainer slice and the GenRM term on the GenRM slice.
 """
 
 from __future__ import annotations
@@ -13,6 +26,25 @@ from yatt_ray.config import Config
 from yatt_ray.errors import PlacementError
 
 DATA_CPUS = 1  # kept free for Ray Data's read tasks; without one the prompt streams would stall
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GenRMSlice:
+    """The GenRM deployment's replicas and what each claims."""
+
+    replicas: int
+    max_replicas: int
+    accelerators_per_replica: int
+    gpus_per_accelerator: float  # 1 (partial), genrm_share (full) or 0 (no GPUs)
+    cpus: int
+    release_when_idle: bool  # full coexistence: sleep between judging phases
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per accelerator of a replica; the replica's CPUs go in the first."""
+        gpu = {"GPU": self.gpus_per_accelerator} if self.gpus_per_accelerator else {}
+        rest = [{"CPU": 0.01, **gpu} for _ in range(self.accelerators_per_replica - 1)]
+        return [{"CPU": float(self.cpus), **gpu}, *rest]
 
 
 @dataclass(frozen=True)
@@ -21,50 +53,179 @@ class PlacementPlan:
     dp_size: int
     tp_size: int
     cpus_per_worker: int
-    gpus_per_worker: int
+    gpus_per_worker: float  # 1, 1 - genrm_share (full coexistence with a GenRM), or 0 (CPU only)
+    genrm: GenRMSlice | None = None
 
     @property
     def num_workers(self) -> int:
         return self.dp_size * self.tp_size
 
+    @property
+    def uses_gpus(self) -> bool:
+        return self.gpus_per_worker > 0
+
+    def trainer_resources(self) -> dict[str, float]:
+        """Ray resources of one training worker (the GPU part goes to ScalingConfig via use_gpu)."""
+        gpu = {"GPU": self.gpus_per_worker} if self.uses_gpus else {}
+        return {"CPU": float(self.cpus_per_worker), **gpu}
+
+    def accelerators_needed(self) -> int:
+        if not self.uses_gpus:
+            return 0
+        if self.mode == "full" or self.genrm is None:
+            return self.num_workers
+        return self.num_workers + self.genrm.max_replicas * self.genrm.accelerators_per_replica
+
+    def cpus_needed(self) -> int:
+        genrm = self.genrm.max_replicas * self.genrm.cpus if self.genrm else 0
+        return self.num_workers * self.cpus_per_worker + genrm + DATA_CPUS
+
     def describe(self) -> str:
-        device = f"{self.gpus_per_worker} GPU" if self.gpus_per_worker else "CPU only"
+        device = f"{self.gpus_per_worker:g} GPU" if self.uses_gpus else "CPU only"
         lines = [
-            f"placement: {self.mode} coexistence, {self.num_workers} worker(s) = dp {self.dp_size} x tp {self.tp_size}",
+            f"placement: {self.mode} coexistence, {self.num_workers} training worker(s) = dp {self.dp_size} x tp "
+            f"{self.tp_size}, {self.accelerators_needed()} accelerator(s), {self.cpus_needed()} CPUs",
             f"  each worker: {self.cpus_per_worker} CPU, {device}; policy + reference + optimizer",
             f"  controllers: {self.dp_size} (tp rank 0 of each group), each with a colocated rollout engine",
         ]
+        g = self.genrm
+        if g is not None:
+            where = "sharing the training accelerators" if self.mode == "full" else "on their own slice"
+            scale = f"{g.replicas}" if g.max_replicas == g.replicas else f"{g.replicas}..{g.max_replicas}"
+            lines.append(
+                f"  GenRM: {scale} Serve replica(s) {where}, bundles {g.bundles()} each"
+                + ("; released between judging phases" if g.release_when_idle else "")
+            )
         return "\n".join(lines)
 
     def check(self, cluster: dict[str, float]) -> None:
         """Raise PlacementError when the cluster's total resources cannot hold the plan."""
-        cpus_needed = self.num_workers * self.cpus_per_worker + DATA_CPUS
-        gpus_needed = self.num_workers * self.gpus_per_worker
         have_cpu, have_gpu = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
-        if have_cpu < cpus_needed:
+        if have_cpu < self.cpus_needed():
             raise PlacementError(
-                f"the plan needs {cpus_needed} CPUs ({self.num_workers} workers x {self.cpus_per_worker} "
-                f"+ {DATA_CPUS} for data) but the cluster has {have_cpu:g}. Lower train.dp_size / train.tp_size "
-                "or cluster.cpus_per_worker, or add nodes."
+                f"the plan needs {self.cpus_needed()} CPUs ({self.num_workers} workers x {self.cpus_per_worker}"
+                + (f" + GenRM {self.genrm.max_replicas} x {self.genrm.cpus}" if self.genrm else "")
+                + f" + {DATA_CPUS} for data) but the cluster has {have_cpu:g}. Lower train.dp_size / "
+                "train.tp_size or cluster.cpus_per_worker, or add nodes."
             )
-        if have_gpu < gpus_needed:
+        need = self.accelerators_needed()
+        if have_gpu >= need:
+            return
+        if self.mode == "partial" and self.genrm is not None:
+            g = self.genrm
             raise PlacementError(
-                f"the plan needs {gpus_needed} GPUs ({self.num_workers} workers) but the cluster has {have_gpu:g}. "
-                "Lower train.dp_size x train.tp_size, or set cluster.use_gpu=false to train on CPUs."
+                f"partial coexistence needs {need} GPUs: the trainer slice dp x tp = {self.num_workers} plus the "
+                f"GenRM slice reward.genrm.max_replicas x accelerators_per_replica = {g.max_replicas} x "
+                f"{g.accelerators_per_replica}, but the cluster has {have_gpu:g}. Lower reward.genrm.replicas / "
+                "max_replicas or train.dp_size, or use placement.mode=full (GenRM shares the trainers' GPUs)."
             )
+        raise PlacementError(
+            f"the plan needs {need} GPUs ({self.num_workers} workers) but the cluster has {have_gpu:g}. "
+            "Lower train.dp_size x train.tp_size, or set cluster.use_gpu=false to train on CPUs."
+        )
 
 
-def plan_placement(config: Config, cluster: dict[str, float]) -> PlacementPlan:
-    """The full-coexistence plan for `config` on a cluster with `cluster` total resources (checked)."""
+@dataclass(frozen=True)
+class ModelSizes:
+    """Parameter counts for the memory check (policy, critic or 0, judge or 0)."""
+
+    policy: int
+    critic: int = 0
+    judge: int = 0
+
+
+def plan_placement(
+    config: Config, cluster: dict[str, float], sizes: ModelSizes | None = None
+) -> PlacementPlan:
+    """The plan for `config` on a cluster with `cluster` total resources, checked (resources, divisibility,
+    and memory when `placement.gpu_memory_gb` and `sizes` are given)."""
     use_gpu = config.cluster.use_gpu
     if use_gpu is None:
         use_gpu = cluster.get("GPU", 0.0) >= 1
+    mode, with_genrm = config.placement.mode, config.reward.mode != "rule"
+    if mode == "partial" and not with_genrm:
+        raise PlacementError(
+            "placement.mode=partial puts the GenRM on its own accelerators, but reward.mode='rule' uses no "
+            "GenRM; set reward.mode=genrm (or mix), or use placement.mode=full"
+        )
+    share = config.placement.genrm_share if (use_gpu and with_genrm and mode == "full") else 0.0
     plan = PlacementPlan(
-        mode="full",
+        mode=mode,
         dp_size=config.train.dp_size,
         tp_size=config.train.tp_size,
         cpus_per_worker=config.cluster.cpus_per_worker,
-        gpus_per_worker=1 if use_gpu else 0,
+        gpus_per_worker=(1.0 - share) if use_gpu else 0.0,
+        genrm=_genrm_slice(config, use_gpu) if with_genrm else None,
     )
     plan.check(cluster)
+    if sizes is not None and config.placement.gpu_memory_gb is not None and use_gpu:
+        _check_memory(plan, config, sizes, config.placement.gpu_memory_gb)
     return plan
+
+
+def _genrm_slice(config: Config, use_gpu: bool) -> GenRMSlice:
+    g, workers = config.reward.genrm, config.train.dp_size * config.train.tp_size
+    apr = g.accelerators_per_replica
+    if config.placement.mode == "full" and use_gpu:
+        if workers % apr:
+            raise PlacementError(
+                f"full coexistence puts GenRM replicas on the {workers} training accelerators, which "
+                f"reward.genrm.accelerators_per_replica={apr} does not divide; pick a divisor of {workers}"
+            )
+        replicas = max_replicas = workers // apr
+    else:
+        replicas, max_replicas = g.replicas, g.max_replicas or g.replicas
+    gpus = (config.placement.genrm_share if config.placement.mode == "full" else 1.0) if use_gpu else 0.0
+    return GenRMSlice(
+        replicas=replicas,
+        max_replicas=max_replicas,
+        accelerators_per_replica=apr,
+        gpus_per_accelerator=gpus,
+        cpus=config.cluster.cpus_per_worker,
+        release_when_idle=config.placement.mode == "full",
+    )
+
+
+def memory_estimate_gb(plan: PlacementPlan, config: Config, sizes: ModelSizes) -> dict[str, float]:
+    """Per-accelerator GiB of each role (see the module docstring for the byte counts)."""
+    tp = plan.tp_size
+    trainer = 18 * sizes.policy / tp + (2 * sizes.policy / tp if config.algo.kl_coef > 0 else 0)
+    trainer += 18 * sizes.critic / tp
+    rollout = 2 * sizes.policy + config.rollout.kv_cache_gb * GIB
+    out = {"trainer": trainer / GIB, "rollout": rollout / GIB}
+    if plan.genrm is not None:
+        g = config.reward.genrm
+        out["genrm"] = (2 * sizes.judge / g.accelerators_per_replica + g.kv_cache_gb * GIB) / GIB
+    return out
+
+
+def _check_memory(plan: PlacementPlan, config: Config, sizes: ModelSizes, have_gb: float) -> None:
+    est = memory_estimate_gb(plan, config, sizes)
+    if plan.mode == "full":
+        needs = {"the largest phase (" + max(est, key=est.__getitem__) + ")": max(est.values())}
+    else:
+        needs = {
+            "the trainer slice": max(est["trainer"], est["rollout"]),
+            "the GenRM slice": est.get("genrm", 0),
+        }
+    for where, gb in needs.items():
+        if gb > have_gb:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items())
+            raise PlacementError(
+                f"{plan.mode} coexistence needs about {gb:.1f} GiB per accelerator for {where} (estimates in "
+                f"GiB: {parts}) but placement.gpu_memory_gb={have_gb:g}. Raise train.tp_size or "
+                "reward.genrm.accelerators_per_replica, lower rollout.kv_cache_gb / reward.genrm.kv_cache_gb, "
+                "or use a larger accelerator."
+            )
+
+
+def param_count(model_dir: str) -> int:
+    """Parameters of the Llama-style model in `model_dir`, from its config.json (no weights read)."""
+    from yatt_ray.train.hf_convert import LlamaShape
+
+    s = LlamaShape.from_hf_dir(model_dir)
+    kv = 2 * s.num_kv_heads * s.head_dim * s.hidden_size
+    attn = s.num_heads * s.head_dim * s.hidden_size * 2 + kv
+    layer = attn + 3 * s.hidden_size * s.ffn_hidden_size + 2 * s.hidden_size
+    embed = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    return s.num_layers * layer + embed + s.hidden_size

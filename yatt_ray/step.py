@@ -42,6 +42,7 @@ class StepInputs:
     rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     greedy_rewards: torch.Tensor | None = None
     greedy_texts: list[str] | None = None
+    counters: dict[str, float] = field(default_factory=dict)  # GenRM and memory counters of the controller
 
     def scoring_inputs(self):
         return zip(self.texts, self.ground_truths, self.sources)
@@ -223,4 +224,16 @@ def reduce_metrics(
         metrics["greedy_reward_mean"] = s["greedy_reward"] / (samples / inputs.n)
     metrics.update({f"time/{k}": v for k, v in maxima.items()})
     metrics.update(train_stats)
+    metrics.update(_reduce_counters(inputs.counters, is_controller))
     return metrics
+
+
+def _reduce_counters(counters: dict[str, float], is_controller: bool) -> dict[str, float]:
+    """Controllers' counters: GenRM counts summed over groups, memory figures averaged per controller.
+    Every controller holds the same keys (they follow from the config)."""
+    keys = sorted(counters)
+    values = [counters[k] if is_controller else 0.0 for k in keys] + [float(is_controller)]
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    controllers = max(total[-1].item(), 1.0)
+    return {k: v / controllers if k.startswith("memory/") else v for k, v in zip(keys, total[:-1].tolist())}

@@ -20,7 +20,7 @@ Engines copy what they keep, so the caller may reuse its bucket buffers as soon 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -115,12 +115,21 @@ class Completion:
     finish_reason: FinishReason = field(default="length")
 
 
+OnFinished = Callable[[int, list[Completion]], None]  # (prompt index, its completions)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generation engine colocated with a trainer worker. See the module docstring for the contracts."""
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], spec: SamplingSpec, on_finished: OnFinished | None = None
+    ) -> list[list[Completion]]:
         """Outer list: one entry per prompt, in order; inner list: `spec.n` completions.
+
+        `on_finished(prompt_index, completions)`, when given, is called as soon as a prompt's samples are
+        all done (in completion order, which may differ from prompt order): partial coexistence sends them
+        to the GenRM while the rest still generate. The returned list is the same either way.
 
         Prompts are token ids with BOS already included; none may be empty, and
         `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length.
@@ -135,8 +144,8 @@ class RolloutEngine(Protocol):
         """End a weight sync; raises if a fused parameter group was pushed only in part."""
         ...
 
-    def sleep(self) -> None:
-        """Release what memory the engine can until `wake()` (weights are kept)."""
+    def sleep(self) -> int:
+        """Release what memory the engine can until `wake()` (weights are kept); returns the bytes released."""
         ...
 
     def wake(self) -> None:

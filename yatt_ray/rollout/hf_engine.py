@@ -25,6 +25,7 @@ from yatt_ray.errors import ConfigError, YattError
 from yatt_ray.rollout.base import (
     Completion,
     FinishReason,
+    OnFinished,
     PrivateRng,
     SamplingSpec,
     derive_seed,
@@ -94,7 +95,10 @@ class HFEngine:
         self._closed = False
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], spec: SamplingSpec, on_finished: OnFinished | None = None
+    ) -> list[list[Completion]]:
+        """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done."""
         self._check_usable("generate")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
         if self._asleep:
@@ -104,7 +108,11 @@ class HFEngine:
         done: list[Completion] = []
         for chunk_index, start in enumerate(range(0, len(rows), size)):
             seed = None if spec.seed is None else derive_seed(spec.seed, chunk_index)
+            ready = len(done) // spec.n
             done.extend(self._generate_batch(rows[start : start + size], spec, seed))
+            if on_finished is not None:
+                for i in range(ready, len(done) // spec.n):
+                    on_finished(i, done[i * spec.n : (i + 1) * spec.n])
         return [done[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
 
     def _generate_batch(
@@ -189,13 +197,17 @@ class HFEngine:
         self._check_usable("finish_weight_sync")
 
     # ------------------------------------------------------------------ memory
-    def sleep(self) -> None:
-        """On a GPU, move the model to host memory and empty the CUDA cache; on the CPU, nothing."""
+    def sleep(self) -> int:
+        """On a GPU, move the model to host memory and empty the CUDA cache; on the CPU, nothing. Returns the
+        bytes of weights moved off the device."""
         self._check_usable("sleep")
+        freed = 0
         if self._device.type == "cuda" and not self._asleep:
+            freed = sum(p.numel() * p.element_size() for p in self._model.parameters())
             self._model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = True
+        return freed
 
     def wake(self) -> None:
         self._check_usable("wake")

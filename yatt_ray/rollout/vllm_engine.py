@@ -61,6 +61,7 @@ import torch
 from yatt_ray.errors import ConfigError, YattError
 from yatt_ray.rollout.base import (
     Completion,
+    OnFinished,
     PrivateRng,
     SamplingSpec,
     derive_seed,
@@ -192,9 +193,12 @@ class VLLMEngine:
         self._asleep = False
         self._weights_awake = False  # GPU: weights woken for a sync during sleep
         self._closed = False
+        self._batches = 0  # streamed generate calls (request-id prefix)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], spec: SamplingSpec, on_finished: OnFinished | None = None
+    ) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -221,8 +225,34 @@ class VLLMEngine:
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         with self._rng.active():
-            outputs = self._llm.generate(requests, params, use_tqdm=False)
-        return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+            if on_finished is None:
+                outputs = self._llm.generate(requests, params, use_tqdm=False)
+                return [_group(out) for out in outputs]
+            return self._generate_streaming(requests, params, on_finished)
+
+    def _generate_streaming(
+        self, requests: list, params: list, on_finished: OnFinished
+    ) -> list[list[Completion]]:
+        """Drive the engine step by step and hand each prompt's group to `on_finished` as soon as all its
+        samples are done (the same requests and seeds as `LLM.generate`, so the same tokens)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._llm.llm_engine
+        self._batches += 1
+        index = {}
+        for i, (request, p) in enumerate(zip(requests, params)):
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            request_id = f"yatt-{self._batches}-{i}"
+            engine.add_request(request_id, request, p)
+            index[request_id] = i
+        groups: list[list[Completion]] = [[] for _ in requests]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in index:
+                    i = index[out.request_id]
+                    groups[i] = _group(out)
+                    on_finished(i, groups[i])
+        return groups
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -277,18 +307,22 @@ class VLLMEngine:
             )
 
     # ------------------------------------------------------------------ memory
-    def sleep(self) -> None:
-        """Release the KV cache (CPU: by this engine; GPU: `LLM.sleep(level=1)`, which also offloads weights)."""
+    def sleep(self) -> int:
+        """Release the KV cache (CPU: by this engine; GPU: `LLM.sleep(level=1)`, which also offloads weights).
+        Returns the bytes released (CPU: the KV cache; GPU: the drop in device memory in use)."""
         self._check_usable("sleep")
         self.finish_weight_sync()
         if self._asleep:
-            return
+            return 0
         self._llm.reset_prefix_cache()
         if self._on_cpu:
-            self._llm.collective_rpc(_release_cpu_kv_cache)
+            freed = sum(self._llm.collective_rpc(_release_cpu_kv_cache))
         else:
+            before = torch.cuda.mem_get_info()[0]
             self._llm.sleep(level=1)
+            freed = max(torch.cuda.mem_get_info()[0] - before, 0)
         self._asleep = True
+        return int(freed)
 
     def wake(self) -> None:
         self._check_usable("wake")
@@ -328,6 +362,11 @@ class VLLMEngine:
 
 
 # ---------------------------------------------------------------------- helpers (module level: picklable)
+def _group(out: Any) -> list[Completion]:
+    """A prompt's completions in sample order."""
+    return [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
 def _completion(out: Any) -> Completion:
     token_ids = list(out.token_ids)
     if out.finish_reason not in ("stop", "length"):

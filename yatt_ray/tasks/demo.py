@@ -47,12 +47,27 @@ def prepare_demo(config: Config) -> Config:
             config.demo.eval_prompts, seed=7, max_operand=config.demo.max_operand, id_offset=10**8
         )
         write_parquet(rows, eval_file)
+    if config.reward.mode != "rule" and config.reward.genrm.path == "":
+        prepare_demo_judge(config, folder / "judge")
     if config.model.path == "":
         config.model.path = str(model_dir)
     if not config.data.train_files:
         config.data.train_files = [str(train_file)]
         config.data.eval_files = config.data.eval_files or [str(eval_file)]
     return config
+
+
+def prepare_demo_judge(config: Config, judge_dir: Path) -> None:
+    """The demo's GenRM: the tiny judge (built once into the cache) with its own short template."""
+    from yatt_ray.tasks.judge import DEMO_TEMPLATE, build_demo_judge
+
+    if not (judge_dir / "config.json").exists():
+        log.info("building the demo judge in %s (%d steps)", judge_dir, config.demo.judge_sft_steps)
+        build_demo_judge(judge_dir, config.demo.judge_sft_steps, config.demo.max_operand)
+    config.reward.genrm.path = str(judge_dir)
+    if config.reward.genrm.template == "default":
+        config.reward.genrm.template = DEMO_TEMPLATE
+    config.reward.genrm.max_prompt_tokens = min(config.reward.genrm.max_prompt_tokens, 64)
 
 
 def _build_warm_model(model_dir: Path, demo: DemoConfig) -> None:

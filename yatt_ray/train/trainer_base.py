@@ -216,21 +216,23 @@ class MegatronTrainerBase:
 
     # ---- offload -------------------------------------------------------------------------------------------
 
-    def offload(self) -> None:
+    def offload(self) -> int:
         """Move params (and those of `_frozen_modules`), grad buffers and optimizer state to host memory.
 
         Device tensors keep their identity: each is copied to a host tensor and its device storage is freed
         (resized to 0), so optimizer and DDP references stay valid. Grad buffers hold nothing between steps
         and are only freed. On CPU the copy and free still happen (that is what the tests exercise).
+        Returns the bytes moved to host memory.
         """
         if self._offloaded:
-            return
+            return 0
         for t in self._offloadable():
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
             host.copy_(t)
             t.untyped_storage().resize_(0)
             self._offloaded.append((t, host))
         self.model.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=True)
+        return sum(host.numel() * host.element_size() for _, host in self._offloaded)
 
     def onload(self) -> None:
         """Undo `offload`: reallocate device storage, copy the host copies back, re-create zeroed grad buffers."""

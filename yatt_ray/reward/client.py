@@ -1,0 +1,95 @@
+"""The controller's side of GenRM: send samples to the Serve deployment, gather exactly one verdict each.
+
+`submit` sends one request per sample through a Serve handle and returns at once (in partial coexistence it
+is called as each prompt's samples finish generating, so judging overlaps generation). `collect` waits for
+the verdicts. A request whose replica dies or that outlives `reward.genrm.timeout_s` is cancelled and sent
+again, up to `max_retries` times; verdicts are kept by the sample's key, and only the live attempt of a key
+is ever read, so a retried sample is scored once. Past the retries, `GenRMError` names the samples lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from yatt_ray.errors import YattError
+from yatt_ray.reward.genrm import APP_NAME, JudgeRequest, Verdict
+
+log = logging.getLogger(__name__)
+
+
+class GenRMError(YattError):
+    """GenRM could not score samples (replicas failing past the retries, or an unparsable verdict with
+    `reward.genrm.on_parse_error=raise`)."""
+
+
+@dataclass
+class _Pending:
+    request: JudgeRequest
+    response: Any  # serve.handle.DeploymentResponse of the live attempt
+    attempts: int = 1
+    sent_at: float = field(default_factory=time.time)
+
+
+class GenRMClient:
+    """Submit / collect against the GenRM application; counts retries for the step's metrics."""
+
+    def __init__(self, timeout_s: float, max_retries: int, connect_timeout_s: float) -> None:
+        self.timeout_s, self.max_retries = timeout_s, max_retries
+        self.handle = _app_handle(connect_timeout_s)
+        self.pending: dict[str, _Pending] = {}
+        self.retries = 0
+
+    def submit(self, requests: list[JudgeRequest]) -> None:
+        for r in requests:
+            if r.key in self.pending:
+                raise GenRMError(
+                    f"GenRM request key {r.key!r} submitted twice; keys must be unique per sample"
+                )
+            self.pending[r.key] = _Pending(r, self.handle.judge.remote(r))
+
+    def collect(self) -> dict[str, Verdict]:
+        """Every submitted sample's verdict, by key; clears the pending set."""
+        done: dict[str, Verdict] = {}
+        while self.pending:
+            key, item = next(iter(self.pending.items()))
+            left = max(self.timeout_s - (time.time() - item.sent_at), 0.01)
+            try:
+                done[key] = item.response.result(timeout_s=left)
+                del self.pending[key]
+            except Exception as exc:  # a dead replica, a timeout, a failed batch: send the sample again
+                self._retry(key, item, exc)
+        return done
+
+    def _retry(self, key: str, item: _Pending, exc: Exception) -> None:
+        if item.attempts > self.max_retries:
+            lost = len(self.pending)
+            self.pending.clear()
+            raise GenRMError(
+                f"GenRM failed for sample {key!r} after {item.attempts} attempts ({type(exc).__name__}: {exc}); "
+                f"{lost} sample(s) of this step unscored. Check the GenRM replicas' logs, raise "
+                "reward.genrm.timeout_s / max_retries, or add replicas"
+            ) from exc
+        item.response.cancel()
+        log.warning("GenRM request %s failed (%s: %s); retrying", key, type(exc).__name__, exc)
+        self.retries += 1
+        self.pending[key] = _Pending(item.request, self.handle.judge.remote(item.request), item.attempts + 1)
+
+
+def _app_handle(timeout_s: float):
+    """The GenRM application's handle, waiting for the driver to deploy it (full coexistence deploys it
+    after the training workers start)."""
+    from ray import serve
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return serve.get_app_handle(APP_NAME)
+        except Exception as exc:  # not deployed yet
+            if time.time() > deadline:
+                raise GenRMError(
+                    f"the GenRM application {APP_NAME!r} was not running within {timeout_s:g}s ({exc})"
+                ) from exc
+            time.sleep(0.5)

@@ -1,0 +1,102 @@
+"""One reward per sample from the rule function, the GenRM verdict, or a weighted mix of both.
+
+    reward.mode = rule   r = rule(response, ground_truth, data_source)
+    reward.mode = genrm  r = genrm verdict score in [0, 1]
+    reward.mode = mix    r = (1 - w) * rule + w * genrm,  w = reward.genrm_weight
+
+A verdict the parser cannot read is counted (`genrm/parse_failures`) and replaced per
+`reward.genrm.on_parse_error`: zero (0.0), rule (that sample's rule reward) or raise (GenRMError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yatt_ray.config import RewardConfig
+from yatt_ray.reward.client import GenRMClient, GenRMError
+from yatt_ray.reward.genrm import JudgeRequest, Verdict
+from yatt_ray.reward.rules import resolve_reward_fn, score_with_rule
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What scoring needs of one sample; `key` is unique within the run (the GenRM retry key)."""
+
+    key: str
+    prompt: str
+    response: str
+    ground_truth: str
+    data_source: str
+
+
+def combine(rule: float | None, genrm: float | None, mode: str, weight: float) -> float:
+    """The sample's reward per `reward.mode` (see the module docstring); the needed parts are not None."""
+    if mode == "rule":
+        assert rule is not None
+        return rule
+    assert genrm is not None
+    if mode == "genrm":
+        return genrm
+    assert rule is not None
+    return (1.0 - weight) * rule + weight * genrm
+
+
+def resolve_verdict(verdict: Verdict, rule: float | None, policy: str) -> tuple[float, bool]:
+    """(score, parse_failed) for one verdict under the parse-error policy."""
+    if verdict.score is not None:
+        return float(verdict.score), False
+    if policy == "raise":
+        raise GenRMError(
+            f"GenRM verdict {verdict.text[:80]!r} for sample {verdict.key!r} could not be parsed; fix the judge "
+            "template / reward.genrm.parser, or set reward.genrm.on_parse_error to zero or rule"
+        )
+    if policy == "rule":
+        assert rule is not None
+        return rule, True
+    return 0.0, True
+
+
+class RewardScorer:
+    """Scores samples for one controller. `submit` early (GenRM starts judging), `scores` when needed."""
+
+    def __init__(self, config: RewardConfig, connect_timeout_s: float) -> None:
+        self.config = config
+        self.rule_fn = resolve_reward_fn(config.function)
+        self.uses_rule = config.mode != "genrm" or config.genrm.on_parse_error == "rule"
+        self.client: GenRMClient | None = None
+        if config.mode != "rule":
+            self.client = GenRMClient(config.genrm.timeout_s, config.genrm.max_retries, connect_timeout_s)
+        self.parse_failures = 0
+        self.verdicts: dict[str, Verdict] = {}  # collected, not yet used
+
+    def submit(self, samples: list[Sample]) -> None:
+        if self.client is not None:
+            self.client.submit([JudgeRequest(s.key, s.prompt, s.response, s.ground_truth) for s in samples])
+
+    def scores(self, samples: list[Sample]) -> list[float]:
+        """Rewards in `samples` order; every sample must have been submitted (no-op in rule mode)."""
+        items = [(s.response, s.ground_truth, s.data_source) for s in samples]
+        rules: list[float | None] = (
+            list(score_with_rule(self.rule_fn, items)) if self.uses_rule else [None] * len(items)
+        )
+        if self.client is None:
+            return [float(r) for r in rules]  # type: ignore[arg-type]
+        self.verdicts.update(self.client.collect())
+        out = []
+        for s, rule in zip(samples, rules):
+            verdict = self.verdicts.pop(s.key)
+            genrm, failed = resolve_verdict(verdict, rule, self.config.genrm.on_parse_error)
+            self.parse_failures += failed
+            out.append(combine(rule, genrm, self.config.mode, self.config.genrm_weight))
+        return out
+
+    def take_stats(self) -> dict[str, float]:
+        """GenRM counters since the last call (empty in rule mode)."""
+        if self.client is None:
+            return {}
+        stats = {
+            "genrm/parse_failures": float(self.parse_failures),
+            "genrm/retries": float(self.client.retries),
+        }
+        self.parse_failures, self.client.retries = 0, 0
+        return stats
