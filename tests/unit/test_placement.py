@@ -30,3 +30,77 @@ def test_too_many_workers_for_the_gpus():
     config = cfg("train.dp_size=4", "train.tp_size=4", "train.prompts_per_step=8", "cluster.use_gpu=true")
     with pytest.raises(PlacementError, match="needs 16 GPUs .* has 8"):
         plan_placement(config, {"CPU": 128.0, "GPU": 8.0})
+
+
+GENRM = ("reward.mode=genrm", "train.dp_size=2", "train.prompts_per_step=4")
+
+
+def test_full_coexistence_puts_one_judge_beside_each_trainer():
+    plan = plan_placement(cfg(*GENRM, "placement.genrm_share=0.2"), {"CPU": 16.0, "GPU": 2.0})
+    assert plan.trainer_resources() == {"CPU": 1.0, "GPU": 0.8}
+    assert plan.genrm is not None and (plan.genrm.replicas, plan.genrm.max_replicas) == (2, 2)
+    assert plan.genrm.bundles() == [{"CPU": 1.0, "GPU": 0.2}] and plan.genrm.release_when_idle
+    assert plan.accelerators_needed() == 2
+    assert "2 Serve replica(s) sharing the training accelerators" in plan.describe()
+
+
+def test_partial_coexistence_gives_the_judge_its_own_slice():
+    config = cfg(*GENRM, "placement.mode=partial", "reward.genrm.replicas=2", "reward.genrm.max_replicas=3")
+    plan = plan_placement(config, {"CPU": 16.0, "GPU": 5.0})
+    assert plan.trainer_resources() == {"CPU": 1.0, "GPU": 1.0}
+    assert plan.genrm is not None and (plan.genrm.replicas, plan.genrm.max_replicas) == (2, 3)
+    assert plan.genrm.bundles() == [{"CPU": 1.0, "GPU": 1.0}] and not plan.genrm.release_when_idle
+    assert plan.accelerators_needed() == 5 and "2..3 Serve replica(s) on their own slice" in plan.describe()
+
+
+def test_partial_coexistence_without_room_for_the_judge():
+    config = cfg(*GENRM, "placement.mode=partial", "reward.genrm.accelerators_per_replica=2")
+    with pytest.raises(
+        PlacementError, match=r"partial coexistence needs 4 GPUs: .* 1 x 2, but the cluster has 3"
+    ):
+        plan_placement(config, {"CPU": 16.0, "GPU": 3.0})
+
+
+def test_partial_coexistence_needs_a_judge():
+    with pytest.raises(PlacementError, match="reward.mode='rule' uses no GenRM; set reward.mode=genrm"):
+        plan_placement(cfg("placement.mode=partial"), {"CPU": 16.0, "GPU": 3.0})
+
+
+def test_judge_accelerators_must_divide_the_training_accelerators():
+    config = cfg(
+        "reward.mode=genrm",
+        "train.dp_size=3",
+        "train.prompts_per_step=3",
+        "reward.genrm.accelerators_per_replica=2",
+    )
+    with pytest.raises(PlacementError, match="accelerators_per_replica=2 does not divide"):
+        plan_placement(config, {"CPU": 16.0, "GPU": 3.0})
+
+
+def test_memory_check_names_the_phase_and_the_fix():
+    from yatt_ray.placement import ModelSizes, memory_estimate_gb
+
+    sizes = ModelSizes(policy=7_000_000_000, judge=7_000_000_000)
+    config = cfg(*GENRM, "placement.gpu_memory_gb=80")
+    with pytest.raises(
+        PlacementError, match=r"needs about 1.*GiB per accelerator for the largest phase \(trainer\)"
+    ):
+        plan_placement(config, {"CPU": 16.0, "GPU": 2.0}, sizes)
+    plan = plan_placement(cfg(*GENRM, "train.tp_size=8", "train.prompts_per_step=4", "placement.gpu_memory_gb=80"),
+                          {"CPU": 64.0, "GPU": 16.0}, sizes)  # fmt: skip
+    est = memory_estimate_gb(plan, config, sizes)
+    assert est["trainer"] == pytest.approx(20 * 7e9 / 8 / 2**30) and est["genrm"] == pytest.approx(
+        14e9 / 2**30 + 0.5
+    )
+
+
+def test_param_count_of_the_tiny_model(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from yatt_ray.models.tiny import build_tiny_model
+    from yatt_ray.placement import param_count
+
+    build_tiny_model(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert param_count(str(tmp_path)) == sum(p.numel() for p in model.parameters())

@@ -152,7 +152,7 @@ class GenRMJudge:
         self.recorder = SpanRecorder("genrm", self.worker, local_accelerator(self.worker))
         self.asleep = False
         self.last_batch_end = time.time()
-        self.batches = 0
+        self.batches = self.requests = 0
         self.idle_task: asyncio.Task | None = None
         if release_when_idle:
             self._release()
@@ -199,6 +199,7 @@ class GenRMJudge:
         with self.recorder.span("judge", step=0):
             verdicts = self.judge_texts(requests)
         self.batches += 1
+        self.requests += len(requests)
         self.last_batch_end = time.time()
         self._push_spans()
         return verdicts
@@ -208,6 +209,15 @@ class GenRMJudge:
             from yatt_ray.metrics.timeline import to_wire
 
             self.hub.push_spans.remote(to_wire(self.recorder.drain()))
+
+    def stats(self) -> dict[str, Any]:
+        """This replica's counters: its worker name, batches run and requests judged."""
+        return {
+            "worker": self.worker,
+            "batches": self.batches,
+            "requests": self.requests,
+            "asleep": self.asleep,
+        }
 
     async def __call__(self, request: Any) -> dict[str, Any]:
         """HTTP (only when `reward.genrm.http_port` is set): POST {"prompt", "response", "ground_truth"}."""

@@ -45,6 +45,7 @@ def deploy_genrm(config: Config, plan: PlacementPlan, hub: Any) -> None:
             "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
         },
         "max_ongoing_requests": 4 * int(settings["batch_size"]),
+        "logging_config": {"log_level": "WARNING", "enable_access_log": False},
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
     }

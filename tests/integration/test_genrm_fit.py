@@ -1,0 +1,123 @@
+"""Both placement modes train end to end with the GenRM as the only reward, on fake accelerators.
+
+The shared test cluster declares 4 logical GPUs (no CUDA behind them): the plan places roles on them as on a
+real cluster and the workers compute on the CPU. The demo judge (a tiny model taught to compare a response
+with the reference answer) is the reward, so the policy can only learn through its verdicts; learning is
+measured with the rule (exact match) on the eval split. The run's timeline shows where each role ran.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import yatt_ray
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 40
+
+
+def genrm_run(tmp_path, mode: str) -> yatt_ray.Result:
+    config = yatt_ray.load_config(
+        "examples/configs/grpo_genrm.yaml",
+        [
+            f"output.dir={tmp_path}",
+            "output.progress=false",
+            f"placement.mode={mode}",
+            f"train.steps={STEPS}",
+            "cluster.use_gpu=true",
+        ],
+    )
+    return yatt_ray.fit(config)
+
+
+@pytest.fixture(scope="module")
+def partial(ray_cluster, demo_cache, tmp_path_factory):
+    return genrm_run(tmp_path_factory.mktemp("partial"), "partial")
+
+
+@pytest.fixture(scope="module")
+def full(ray_cluster, demo_cache, tmp_path_factory):
+    return genrm_run(tmp_path_factory.mktemp("full"), "full")
+
+
+def roles_by_accelerator(result) -> dict[str, set[str]]:
+    """accelerator -> the workers that recorded busy spans on it, from the run's Chrome trace."""
+    trace = json.loads(Path(result.output_dir, "timeline.json").read_text())["traceEvents"]
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"] for e in trace if e["ph"] == "M" and "name" in e["args"]
+    }
+    out: dict[str, set[str]] = defaultdict(set)
+    for e in trace:
+        if e["ph"] == "X":
+            out[names[(e["pid"], None)]].add(names[(e["pid"], e["tid"])])
+    return out
+
+
+def assert_learns(result) -> None:
+    evals = result.metric("eval/accuracy")
+    assert evals[-1] > evals[0] + 0.08, (
+        f"greedy eval accuracy (exact match) {evals[0]:.3f} -> {evals[-1]:.3f}"
+    )
+    steps = [r for r in result.history if "reward_mean" in r]
+    assert len(steps) == STEPS
+    assert sum(r["genrm/parse_failures"] for r in steps) == 0 and sum(r["genrm/retries"] for r in steps) == 0
+
+
+def test_partial_coexistence_learns_from_the_judge(partial):
+    assert_learns(partial)
+
+
+def test_full_coexistence_learns_from_the_judge(full):
+    assert_learns(full)
+
+
+def test_partial_places_the_judge_on_its_own_accelerator(partial):
+    placed = roles_by_accelerator(partial)
+    trainer_accels = {a for a, w in placed.items() if any(x.startswith("rank") for x in w)}
+    judge_accels = {a for a, w in placed.items() if any(x.startswith("genrm") for x in w)}
+    assert len(trainer_accels) == 2 and len(judge_accels) == 1, placed
+    assert not trainer_accels & judge_accels, placed
+    assert all("/gpu:" in a for a in placed), placed
+
+
+def test_full_places_one_judge_beside_each_trainer(full):
+    placed = roles_by_accelerator(full)
+    assert len(placed) == 2, placed  # two GPUs, each with one trainer rank and one GenRM replica
+    for accel, workers in placed.items():
+        assert sorted(w[:4] for w in workers) == ["genr", "rank"], (accel, workers)
+
+
+def test_full_coexistence_releases_memory_between_phases(full):
+    steps = [r for r in full.history if "reward_mean" in r]
+    assert all(r["memory/rollout_released_gb"] > 0.5 for r in steps)  # the 1 GiB KV cache, every step
+    trace = json.loads(Path(full.output_dir, "timeline.json").read_text())["traceEvents"]
+    phases = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"load", "judge", "release", "rollout", "train"} <= phases
+
+
+def test_partial_judges_while_rollouts_generate(partial):
+    """Judging overlaps generation: in most steps a judge batch starts while the rollout still runs."""
+    trace = json.loads(Path(partial.output_dir, "timeline.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    rollout: dict[int, tuple[float, float]] = {}
+    for e in spans:
+        if e["name"] == "rollout":
+            start, end = rollout.get(e["args"]["step"], (float("inf"), 0.0))
+            rollout[e["args"]["step"]] = (min(start, e["ts"]), max(end, e["ts"] + e["dur"]))
+    judge_starts = [e["ts"] for e in spans if e["name"] == "judge"]
+    overlapped = [s for s, (a, b) in rollout.items() if any(a <= t < b for t in judge_starts)]
+    assert len(overlapped) >= STEPS // 2, (
+        f"judging overlapped generation in {len(overlapped)} of {STEPS} steps"
+    )
+
+
+def test_idle_fraction_reported_per_step(partial, full):
+    for result in (partial, full):
+        idle = [r for r in result.history if "idle/mean" in r]
+        assert len(idle) == STEPS and all(0.0 <= r["idle/mean"] <= r["idle/max"] <= 1.0 for r in idle)
+        assert Path(result.output_dir, "timeline.png").stat().st_size > 5000
