@@ -457,6 +457,11 @@ def _validate_reward(config: Config, need: Callable[[bool, str], None]) -> None:
     )
     for key in ("max_new_tokens", "max_prompt_tokens", "replicas", "accelerators_per_replica", "batch_size"):
         need(getattr(g, key) >= 1, f"reward.genrm.{key}={getattr(g, key)} must be >= 1")
+    need(
+        g.accelerators_per_replica == 1 or g.engine == "vllm",
+        f"reward.genrm.accelerators_per_replica={g.accelerators_per_replica} spreads the judge with vLLM's tensor "
+        "parallelism: set reward.genrm.engine=vllm",
+    )
     need(g.max_retries >= 0, f"reward.genrm.max_retries={g.max_retries} must be >= 0")
     for key in ("timeout_s", "idle_release_s", "kv_cache_gb"):
         need(getattr(g, key) > 0, f"reward.genrm.{key}={getattr(g, key)} must be > 0")

@@ -54,7 +54,13 @@ def test_partial_coexistence_gives_the_judge_its_own_slice():
 
 
 def test_partial_coexistence_without_room_for_the_judge():
-    config = cfg(*GENRM, "placement.mode=partial", "reward.genrm.accelerators_per_replica=2")
+    config = cfg(
+        *GENRM,
+        "placement.mode=partial",
+        "reward.genrm.accelerators_per_replica=2",
+        "reward.genrm.engine=vllm",
+        "reward.genrm.engine=vllm",
+    )
     with pytest.raises(
         PlacementError, match=r"partial coexistence needs 4 GPUs: .* 1 x 2, but the cluster has 3"
     ):
@@ -72,6 +78,7 @@ def test_judge_accelerators_must_divide_the_training_accelerators():
         "train.dp_size=3",
         "train.prompts_per_step=3",
         "reward.genrm.accelerators_per_replica=2",
+        "reward.genrm.engine=vllm",
     )
     with pytest.raises(PlacementError, match="accelerators_per_replica=2 does not divide"):
         plan_placement(config, {"CPU": 16.0, "GPU": 3.0})
@@ -104,3 +111,27 @@ def test_param_count_of_the_tiny_model(tmp_path):
     build_tiny_model(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert param_count(str(tmp_path)) == sum(p.numel() for p in model.parameters())
+
+
+def test_judge_replicas_follow_the_load_between_replicas_and_max_replicas():
+    from yatt_ray.reward.service import deployment_options, genrm_settings
+
+    config = cfg(
+        *GENRM,
+        "placement.mode=partial",
+        "reward.genrm.max_replicas=4",
+        "reward.genrm.accelerators_per_replica=2",
+        "reward.genrm.engine=vllm",
+    )
+    plan = plan_placement(config, {"CPU": 16.0, "GPU": 10.0})
+    options = deployment_options(plan.genrm, genrm_settings(config))
+    assert (
+        options["autoscaling_config"]["min_replicas"] == 1
+        and options["autoscaling_config"]["max_replicas"] == 4
+    )
+    assert options["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 0.01, "GPU": 1.0}]
+    assert options["placement_group_strategy"] == "STRICT_PACK" and "num_replicas" not in options
+    fixed = deployment_options(
+        plan_placement(cfg(*GENRM), {"CPU": 16.0, "GPU": 2.0}).genrm, genrm_settings(config)
+    )
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed

@@ -111,6 +111,11 @@ def resolve_parser(spec: str) -> Parser:
     return import_object(spec, "reward.genrm.parser")
 
 
+def tp_kwargs(accelerators: int) -> dict[str, Any] | None:
+    """vLLM arguments that spread one judge over the accelerators of its placement-group bundles."""
+    return {"tensor_parallel_size": accelerators} if accelerators > 1 else None
+
+
 class GenRMJudge:
     """The Serve deployment's class: one judge engine per replica, batched greedy verdicts.
 
@@ -138,6 +143,7 @@ class GenRMJudge:
             seed=0,
             kv_cache_gb=settings["kv_cache_gb"],
             max_model_len=self.max_prompt_tokens + int(settings["max_new_tokens"]),
+            engine_kwargs=tp_kwargs(int(settings["accelerators_per_replica"])),
         )
         eos = self.tokenizer.eos_token_id
         self.spec = SamplingSpec(

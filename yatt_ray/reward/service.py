@@ -14,7 +14,7 @@ from typing import Any
 
 from yatt_ray.config import Config
 from yatt_ray.errors import PlacementError
-from yatt_ray.placement import PlacementPlan
+from yatt_ray.placement import GenRMSlice, PlacementPlan
 from yatt_ray.reward.genrm import APP_NAME, GenRMJudge
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,19 @@ def deploy_genrm(config: Config, plan: PlacementPlan, hub: Any) -> None:
         proxy_location="HeadOnly" if http else "Disabled",
         http_options={"host": "127.0.0.1", "port": int(http)} if http else None,
     )
+    options = deployment_options(g, settings)
+    app = (
+        serve.deployment(name="judge")(GenRMJudge).options(**options).bind(settings, g.release_when_idle, hub)
+    )
+    started = time.time()
+    serve.run(app, name=APP_NAME, route_prefix="/judge" if http else None, blocking=False)
+    _wait_running(config.cluster.timeout_s)
+    log.info("GenRM deployed in %.1fs: %d replica(s)", time.time() - started, g.replicas)
+
+
+def deployment_options(g: GenRMSlice, settings: dict[str, Any]) -> dict[str, Any]:
+    """Serve options of the judge deployment: one placement-group bundle per accelerator of a replica, and
+    autoscaling between `replicas` and `max_replicas` on ongoing requests when they differ."""
     options: dict[str, Any] = {
         "placement_group_bundles": g.bundles(),
         "placement_group_strategy": "STRICT_PACK",
@@ -59,13 +72,7 @@ def deploy_genrm(config: Config, plan: PlacementPlan, hub: Any) -> None:
         }
     else:
         options["num_replicas"] = g.replicas
-    app = (
-        serve.deployment(name="judge")(GenRMJudge).options(**options).bind(settings, g.release_when_idle, hub)
-    )
-    started = time.time()
-    serve.run(app, name=APP_NAME, route_prefix="/judge" if http else None, blocking=False)
-    _wait_running(config.cluster.timeout_s)
-    log.info("GenRM deployed in %.1fs: %d replica(s)", time.time() - started, g.replicas)
+    return options
 
 
 def _wait_running(timeout_s: float) -> None:
