@@ -30,6 +30,18 @@ def test_batch_chunks_change_nothing(model_dirs, hf_models, ref):
         small.close()
 
 
+def test_streamed_groups_arrive_after_each_batch(model_dirs, ref):
+    small = HFEngine(model_dirs[0], device="cpu", max_batch_size=4)  # 2 prompts x n=2 per batch
+    try:
+        order: list[int] = []
+        spec = SamplingSpec(n=2, max_new_tokens=4, seed=3)
+        streamed = small.generate(ref.prompts, spec, on_finished=lambda i, g: order.append(i))
+        assert order == list(range(len(ref.prompts)))
+        assert ref.token_ids(streamed) == ref.token_ids(small.generate(ref.prompts, spec))
+    finally:
+        small.close()
+
+
 def test_sampling_shapes_seeds_and_stops(engine, ref, eos_heavy_state, old_weights):
     engine.load_weights(eos_heavy_state.items())
     spec = SamplingSpec(n=4, max_new_tokens=4, temperature=1.0, seed=11)

@@ -73,6 +73,16 @@ def test_sampling_shapes_seeds_and_stops(engine, ref, eos_heavy_state, old_weigh
     )
 
 
+def test_streamed_groups_arrive_once_each_and_match_the_batch(engine, ref, old_weights):
+    """`on_finished` hands each prompt's finished group over once, with the tokens a plain call gives."""
+    spec = SamplingSpec(n=3, max_new_tokens=6, temperature=1.0, seed=21)
+    seen: dict[int, list] = {}
+    streamed = engine.generate(ref.prompts, spec, on_finished=lambda i, g: seen.setdefault(i, g) and None)
+    assert sorted(seen) == list(range(len(ref.prompts)))
+    assert ref.token_ids([seen[i] for i in range(len(ref.prompts))]) == ref.token_ids(streamed)
+    assert ref.token_ids(streamed) == ref.token_ids(engine.generate(ref.prompts, spec))
+
+
 def test_seeded_prompts_do_not_share_noise(engine, ref, old_weights):
     # vLLM seeds sample j of a request with seed + j: without a per-prompt seed, identical prompt positions
     # of a near-uniform model would draw identical tokens for every prompt.
@@ -122,9 +132,10 @@ def test_sleep_frees_the_kv_cache_and_wake_restores_identical_output(engine, ref
     spec = SamplingSpec(n=2, max_new_tokens=8, seed=4)
     before = engine.generate(ref.prompts, spec)
     rss = psutil.Process().memory_info().rss
-    engine.sleep()
+    released = engine.sleep()
     gc.collect()
     freed = rss - psutil.Process().memory_info().rss
+    assert released == pytest.approx(KV_GB * 2**30, rel=0.05), "sleep reports the KV cache bytes it released"
     with pytest.raises(YattError, match="asleep"):
         engine.generate(ref.prompts, spec)
     engine.wake()
