@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 import yatt_ray
-from yatt_ray.reward.client import GenRMClient
+from yatt_ray.reward.client import GenRMClient, GenRMError
 from yatt_ray.reward.genrm import APP_NAME, JudgeRequest
 
 pytestmark = pytest.mark.cluster
@@ -90,28 +90,47 @@ def test_requests_are_batched_on_the_replicas(two_replicas):
     assert judged == 256 and batches <= 256 / 4, f"{judged} requests in {batches} batches"
 
 
+def replica_names() -> set[str]:
+    import ray
+
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"] for a in actors if a["name"].startswith("SERVE_REPLICA::yatt-genrm#")}
+
+
 def test_a_replica_killed_mid_flight_costs_no_sample_and_scores_none_twice(two_replicas):
+    """Requests on the dead replica are answered elsewhere (Serve reroutes them, the client retries what
+    still fails); each sample gets exactly one verdict, and Serve replaces the replica."""
     import ray
 
     client = GenRMClient(timeout_s=30, max_retries=3, connect_timeout_s=60)
     batch = requests(3000, seed=2, prefix="k")
-    replicas = [
-        a
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::yatt-genrm#")
-    ]
-    assert len(replicas) == 2
-    victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+    before = replica_names()
+    assert len(before) == 2
+    victim = ray.get_actor(sorted(before)[0], namespace="serve")
     client.submit(batch)
-    killer = threading.Timer(1.0, lambda: ray.kill(victim))
+    killed_at: list[float] = []
+    killer = threading.Timer(1.0, lambda: (ray.kill(victim), killed_at.append(time.time())))
     killer.start()
     verdicts = client.collect()
+    done_at = time.time()
     killer.join()
+    assert killed_at and killed_at[0] < done_at, "the replica died while the batch was being judged"
     assert sorted(verdicts) == sorted(r.key for r in batch), "every sample scored exactly once"
     assert all(v.key == k for k, v in verdicts.items())
-    assert client.retries > 0, "the kill landed while requests were in flight, so some were sent again"
     agree = sum(v.score == float(k.endswith(":1")) for k, v in verdicts.items())
     assert agree >= 0.9 * len(batch)
+    deadline = time.time() + 120
+    while len(replica_names() - before) < 1 and time.time() < deadline:
+        time.sleep(1)
+    assert len(replica_names() - before) == 1, "Serve started a replacement replica"
+
+
+def test_requests_that_keep_timing_out_fail_loudly(two_replicas):
+    client = GenRMClient(timeout_s=0.001, max_retries=2, connect_timeout_s=60)
+    client.submit(requests(8, seed=3, prefix="t"))
+    with pytest.raises(GenRMError, match=r"GenRM failed for sample 't0:1' after 3 attempts .* 8 sample\(s\)"):
+        client.collect()
+    assert client.retries == 2 and not client.pending
 
 
 def test_no_http_unless_asked_then_only_on_loopback(two_replicas):
