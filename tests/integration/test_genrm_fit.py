@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cluster
 STEPS = 40
 
 
-def genrm_run(tmp_path, mode: str) -> yatt_ray.Result:
+def genrm_run(tmp_path, mode: str, *extra: str) -> yatt_ray.Result:
     config = yatt_ray.load_config(
         "examples/configs/grpo_genrm.yaml",
         [
@@ -30,6 +30,7 @@ def genrm_run(tmp_path, mode: str) -> yatt_ray.Result:
             f"placement.mode={mode}",
             f"train.steps={STEPS}",
             "cluster.use_gpu=true",
+            *extra,
         ],
     )
     return yatt_ray.fit(config)
@@ -42,7 +43,8 @@ def partial(ray_cluster, demo_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(ray_cluster, demo_cache, tmp_path_factory):
-    return genrm_run(tmp_path_factory.mktemp("full"), "full")
+    # the trainer offloads to host memory while the rollout engine and the judge have the accelerator
+    return genrm_run(tmp_path_factory.mktemp("full"), "full", "train.offload_during_rollout=true")
 
 
 def roles_by_accelerator(result) -> dict[str, set[str]]:
@@ -95,6 +97,7 @@ def test_full_places_one_judge_beside_each_trainer(full):
 def test_full_coexistence_releases_memory_between_phases(full):
     steps = [r for r in full.history if "reward_mean" in r]
     assert all(r["memory/rollout_released_gb"] > 0.5 for r in steps)  # the 1 GiB KV cache, every step
+    assert all(r["memory/trainer_offloaded_gb"] > 0.001 for r in steps)  # weights + Adam state of the policy
     trace = json.loads(Path(full.output_dir, "timeline.json").read_text())["traceEvents"]
     phases = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"load", "judge", "release", "rollout", "train"} <= phases
