@@ -93,13 +93,19 @@ def _build_warm_model(model_dir: Path, demo: DemoConfig) -> None:
 
 
 def _sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [B, T] input ids and labels (-100 on the prompt and padding) for prompt+answer+EOS."""
-    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-    answers = [tokenizer(r["ground_truth"], add_special_tokens=False)["input_ids"] + [EOS_ID] for r in rows]
-    width = max(len(p) + len(a) for p, a in zip(prompts, answers))
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    """SFT tensors for prompt + answer + EOS (see `sft_tensors`)."""
+    return sft_tensors(tokenizer, [(r["prompt"], r["ground_truth"]) for r in rows])
+
+
+def sft_tensors(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [B, T] input ids and labels for (prompt, target) text pairs: prompt + target + EOS, with
+    labels -100 on the prompt and the padding, so the loss is on the target and its EOS only."""
+    prompts = [tokenizer(p)["input_ids"] for p, _ in pairs]
+    targets = [tokenizer(t, add_special_tokens=False)["input_ids"] + [EOS_ID] for _, t in pairs]
+    width = max(len(p) + len(t) for p, t in zip(prompts, targets))
+    input_ids = torch.zeros(len(pairs), width, dtype=torch.long)
     labels = torch.full_like(input_ids, -100)
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+    for i, (p, t) in enumerate(zip(prompts, targets)):
+        input_ids[i, : len(p) + len(t)] = torch.tensor(p + t)
+        labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)
     return input_ids, labels
