@@ -11,9 +11,9 @@ RESUME_KEY = "checkpoint/resumed_from"
 
 
 def row_kind(row: dict[str, float]) -> str:
-    """ "eval" (evaluation scores), "resume" (a resume marker) or "train" (a step's metrics)."""
-    if RESUME_KEY in row:
-        return "resume"
+    """The row's kind: "checkpoint" (only checkpoint/* values, e.g. a resume marker), "eval" or "train"."""
+    if all(k == "step" or k.startswith("checkpoint/") for k in row):
+        return "checkpoint"
     return "eval" if any(k.startswith("eval/") for k in row) else "train"
 
 
@@ -23,7 +23,7 @@ def rewind_history(rows: list[dict[str, float]]) -> tuple[list[dict[str, float]]
     dropped = 0
     for row in rows:
         kind, step = row_kind(row), row.get("step", 0)
-        if kind != "resume":
+        if kind != "checkpoint":
             stale = [r for r in kept if row_kind(r) == kind and r.get("step", 0) >= step]
             dropped += sum(1 for r in stale if kind == "train")
             kept = [r for r in kept if not any(r is s for s in stale)]

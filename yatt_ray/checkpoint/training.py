@@ -23,12 +23,13 @@ import os
 import re
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from yatt_ray.checkpoint.history import RESUME_KEY, rewind_history
+from yatt_ray.checkpoint.history import RESUME_KEY, rewind_history, row_kind
 from yatt_ray.checkpoint.schedule import CheckpointSchedule
 from yatt_ray.checkpoint.state import load_trainer_state, rng_state, set_rng_state, trainer_state
 from yatt_ray.checkpoint.store import CheckpointError, CheckpointRef, CheckpointStore, step_dir_name
@@ -80,6 +81,8 @@ class TrainingCheckpoints:
         self.stop_reason: str | None = None
         self.last_saved = -1
         self.preempt_saved = False
+        self.session = ""  # one id per start of the training function (see `attempt_number`)
+        self.agreed_at_start = 0  # the step this start resumed from (0: a fresh start)
 
     # ---- resume (collective) --------------------------------------------------------------------------------
     def resume(self, ctrl) -> Resumed | None:
@@ -102,7 +105,7 @@ class TrainingCheckpoints:
         resumed = self._restore(ctrl, root, step, meta)
         self._drop_newer(step)
         self.schedule.mark_saved(step)
-        self.agreed = self.last_saved = step
+        self.agreed = self.last_saved = self.agreed_at_start = step
         log.warning("resumed from checkpoint step %d in %s", step, root)
         return resumed
 
@@ -192,11 +195,12 @@ class TrainingCheckpoints:
         """Collective: how many times the training function has started in this run (1 = the first)."""
         import ray
 
-        box: list[Any] = [
-            ray.get(self.control.start_attempt.remote(), timeout=60) if self.layout.rank == 0 else 0
-        ]
+        box: list[Any] = [None]
+        if self.layout.rank == 0:
+            box = [(ray.get(self.control.start_attempt.remote(), timeout=60), uuid.uuid4().hex[:12])]
         dist.broadcast_object_list(box, src=0)
-        return int(box[0])
+        attempt, self.session = box[0]
+        return int(attempt)
 
     def announce(self, resumed: Resumed, hub) -> None:
         """Rank 0: a resume marker row; a new driver (empty hub) also gets the checkpoint's metrics history, so
@@ -228,6 +232,15 @@ class TrainingCheckpoints:
             self.save(step, ctrl, "end of run", wait=True)
         self.writer.close()
         self._exchange(step, poll=False)
+        if self.layout.rank == 0:  # the last saves' outcome, which no step row carries
+            import ray
+
+            row = {
+                "step": step,
+                "checkpoint/failures": self.failures_all,
+                "checkpoint/committed": self.agreed,
+            }
+            ray.get(ctrl.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
 
     def _exchange(self, step: int, poll: bool) -> dict:
         """Tell every rank what the others finished; rank 0 commits the newest step all have written. Returns
@@ -349,7 +362,7 @@ class TrainingCheckpoints:
         import ray
 
         rows = ray.get(ctrl.hub.rows_since.remote(0), timeout=self.config.cluster.timeout_s)
-        return [r for r in rewind_history(rows)[0] if RESUME_KEY not in r]
+        return [r for r in rewind_history(rows)[0] if row_kind(r) != "checkpoint"]
 
     # ---- Hugging Face export (collective over the TP group) ---------------------------------------------------
     def _export_due(self, step: int) -> bool:
@@ -376,11 +389,13 @@ class TrainingCheckpoints:
         """With `checkpoint.log_prompt_ids`: this controller's prompt ids of `step` as one small JSON file."""
         if not self.cfg.log_prompt_ids:
             return
-        name = f"step_{step:08d}.dp_{self.layout.dp_rank:03d}.attempt_{attempt:03d}.json"
+        name = f"step_{step:08d}.dp_{self.layout.dp_rank:03d}.{self.session}.json"
         record = {
             "step": step,
             "dp_rank": self.layout.dp_rank,
             "attempt": attempt,
+            "session": self.session,
+            "base": self.agreed_at_start,
             "ids": ids,
             "t": time.time(),
         }
