@@ -72,3 +72,16 @@ def test_checkpoint_config_errors_name_key_value_and_fix():
     assert "checkpoint.keep_last=0" in text and "checkpoint.export_hf_steps=[0]" in text
     c = load_config(None, ["checkpoint.storage_options.endpoint_url=http://127.0.0.1:9000"]).checkpoint
     assert c.storage_options == {"endpoint_url": "http://127.0.0.1:9000"} and c.resume == "auto"
+
+
+def test_resume_on_another_tensor_parallel_size_says_both_sizes(tmp_path):
+    from yatt_ray.checkpoint import CheckpointError
+    from yatt_ray.checkpoint.training import TrainingCheckpoints
+    from yatt_ray.controller import Layout
+
+    config = load_config(None, [f"checkpoint.dir={tmp_path}", "train.tp_size=2", "train.dp_size=1"])
+    layout = Layout(rank=0, dp_rank=0, dp_size=1, tp_rank=0, tp_size=2)
+    checkpoints = TrainingCheckpoints(config, layout, control=None)
+    with pytest.raises(CheckpointError, match=r"train.tp_size=1, this run has train.tp_size=2.*resume with"):
+        checkpoints._check_layout({"tp_size": 1, "dp_size": 2, "world_size": 2}, str(tmp_path), 4)
+    checkpoints._check_layout({"tp_size": 2, "dp_size": 4, "world_size": 8}, str(tmp_path), 4)  # dp may differ
