@@ -84,4 +84,6 @@ def test_resume_on_another_tensor_parallel_size_says_both_sizes(tmp_path):
     checkpoints = TrainingCheckpoints(config, layout, control=None)
     with pytest.raises(CheckpointError, match=r"train.tp_size=1, this run has train.tp_size=2.*resume with"):
         checkpoints._check_layout({"tp_size": 1, "dp_size": 2, "world_size": 2}, str(tmp_path), 4)
-    checkpoints._check_layout({"tp_size": 2, "dp_size": 4, "world_size": 8}, str(tmp_path), 4)  # dp may differ
+    checkpoints._check_layout(
+        {"tp_size": 2, "dp_size": 4, "world_size": 8}, str(tmp_path), 4
+    )  # dp may differ

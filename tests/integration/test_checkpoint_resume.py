@@ -139,3 +139,18 @@ def test_full_disk_during_a_save_keeps_training(ray_cluster, demo_cache, tmp_pat
     assert train_steps(result) == [1, 2, 3, 4]
     assert max(result.metric("checkpoint/failures")) > 0  # reported
     assert CheckpointStore(ckpt).latest_valid().step == 2  # the checkpoint before the failure is intact
+
+
+def test_checkpoints_on_s3_commit_export_and_resume(ray_cluster, demo_cache, tmp_path, s3_options):
+    """checkpoint.dir on S3 (moto on 127.0.0.1): saves, the HF export and a resume all go through fsspec."""
+    import uuid
+
+    url = f"s3://ckpt/{uuid.uuid4().hex}/run"
+    options = [f"checkpoint.storage_options.{k}={v}" for k, v in s3_options.items()]
+    first = short_run(url, tmp_path, 3, "checkpoint.export_hf_steps=[2]", *options)
+    store = CheckpointStore(url, storage_options=s3_options)
+    assert train_steps(first) == [1, 2, 3] and store.list_committed() == [2, 3]  # every 2 steps + at the end
+    assert store.fs.exists(f"{store.root}/hf/step_00000002/model.safetensors")
+    second = short_run(url, tmp_path, 4, *options)
+    assert second.metric("checkpoint/resumed_from") == [3.0] and train_steps(second) == [1, 2, 3, 4]
+    assert store.latest_valid().step == 4

@@ -230,7 +230,8 @@ class TrainingCheckpoints:
         """At the end (or a stop): the final save when `checkpoint.at_end`, then wait for every write."""
         if self.cfg.at_end and self.last_saved != step:
             self.save(step, ctrl, "end of run", wait=True)
-        self.writer.close()
+        if not self.writer.close(timeout=self.config.cluster.timeout_s):
+            log.error("the checkpoint of step %d is still being written after cluster.timeout_s", step)
         self._exchange(step, poll=False)
         if self.layout.rank == 0:  # the last saves' outcome, which no step row carries
             import ray
@@ -332,8 +333,11 @@ class TrainingCheckpoints:
         self.schedule.mark_saved(step)
         self.last_saved = step
         if wait:
-            if self.writer.last_handle is not None:
-                self.writer.last_handle.wait()
+            last = self.writer.last_handle
+            if last is not None and not last.wait(self.config.cluster.timeout_s):
+                log.error(
+                    "checkpoint step %d still writing after cluster.timeout_s; not waiting longer", step
+                )
             self._exchange(step, poll=False)
 
     def _payload(self, step: int, ctrl) -> dict[str, Any]:
