@@ -122,7 +122,7 @@ def disk_full(tmp: Path) -> dict:
     result = yatt_ray.fit(config(ckpt, tmp))
     failures = max(result.metric("checkpoint/failures"))
     newest = CheckpointStore(ckpt).latest_valid()
-    note = f"{failures:.0f} failed saves; newest valid checkpoint: step {newest.step if newest else None}"
+    note = f"{failures:.0f} failed rank writes (ENOSPC); newest valid checkpoint: step {newest.step if newest else None}"
     sentinel.unlink()
     out = row("disk full", ckpt, result, note)
     if failures == 0 or newest is None:

@@ -77,13 +77,15 @@ class PromptFeed:
     def __next__(self) -> dict:
         rows = next(self._batches)
         ids = rows["id"].tolist()
-        if not self._warned_ids and (len(set(ids)) < len(ids) or -1 in ids):
-            self._warned_ids = True
-            log.warning(
-                "prompt ids are missing (-1) or repeated: a resumed run cannot tell consumed prompts apart; "
-                "give every row a unique data.id_key column"
-            )
-        self.consumed.extend(ids)
+        if -1 in ids or len(set(ids)) < len(ids):
+            if not self._warned_ids:
+                self._warned_ids = True
+                log.warning(
+                    "prompt ids are missing (-1) or repeated: the data position is not recorded, and a resumed "
+                    "run starts its epoch over; give every row a unique data.id_key column"
+                )
+        else:
+            self.consumed.extend(ids)
         self.last_ids = ids
         return rows
 
