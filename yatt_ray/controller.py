@@ -176,7 +176,7 @@ class GroupController:
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.train.steps + 1):
             last = self.step(step)
-            self._push({**last, "checkpoint/failures": float(self.checkpoints.failures_all)})
+            self._push({**last, **self.checkpoints.metrics()})
             if self.layout.is_controller:
                 self.checkpoints.log_prompts(step, self.attempt, self.prompt_feed.last_ids)
             if self.checkpoints.after_step(step, self):

@@ -78,6 +78,7 @@ class TrainingCheckpoints:
         self.agreed = 0  # newest step every rank has written (committed by rank 0 unless that failed)
         self.failures = 0  # this rank's failed saves and commits
         self.failures_all = 0  # every rank's, as of the last exchange
+        self.overhead_s = 0.0  # how long the last `after_step` held the loop
         self.stop_reason: str | None = None
         self.last_saved = -1
         self.preempt_saved = False
@@ -215,7 +216,9 @@ class TrainingCheckpoints:
 
     # ---- after each step (collective) ----------------------------------------------------------------------
     def after_step(self, step: int, ctrl) -> bool:
-        """Commit finished saves, save when due, export when due; True when the run should stop now."""
+        """Commit finished saves, save when due, export when due; True when the run should stop now. The time
+        it held the step is kept in `overhead_s` (the next step's row reports it)."""
+        start = time.perf_counter()
         head = self._exchange(step, poll=True)
         reason = head["stop"] or head["due"]
         if head["stop"]:
@@ -224,6 +227,7 @@ class TrainingCheckpoints:
             self.save(step, ctrl, reason, wait=bool(head["stop"]) or head["due"] == "preemption notice")
         if self._export_due(step):
             self.export_hf(step, ctrl)
+        self.overhead_s = time.perf_counter() - start
         return self.stop_reason is not None
 
     def finish(self, step: int, ctrl) -> None:
@@ -242,6 +246,10 @@ class TrainingCheckpoints:
                 "checkpoint/committed": self.agreed,
             }
             ray.get(ctrl.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        """For the step's row: failed saves so far (all ranks) and the previous step's checkpoint overhead."""
+        return {"checkpoint/failures": float(self.failures_all), "checkpoint/overhead_s": self.overhead_s}
 
     def _exchange(self, step: int, poll: bool) -> dict:
         """Tell every rank what the others finished; rank 0 commits the newest step all have written. Returns
