@@ -81,3 +81,47 @@ def _wait_for_dashboard(port: int, timeout_s: float = 60) -> None:
         except OSError:
             time.sleep(1)
     raise TimeoutError(f"the Ray dashboard (job server) did not answer on 127.0.0.1:{port} in {timeout_s}s")
+
+
+@pytest.fixture(scope="session")
+def s3_options():
+    """fsspec options for a moto S3 server in its own process on 127.0.0.1, with a bucket "ckpt".
+
+    Not in-process: moto's server imports Flask, whose `current_app` proxy makes vLLM's kernel rebinding
+    (which inspects every loaded module) fail for the rest of the pytest session.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("s3fs") is None:
+        pytest.skip("moto[server] and s3fs are needed for the S3 tests (pip install 'moto[server]' s3fs)")
+    import boto3
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket="ckpt")
+            break
+        except Exception:  # the server is still starting
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise
+            time.sleep(0.2)
+    try:
+        yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -192,6 +192,32 @@ class OutputConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints: where, how often, what to keep, and how a run resumes (see README, "Checkpoints and resume").
+
+    `dir` is a local path or any fsspec URL ("" = `<run output folder>/checkpoints`). A save is due every
+    `every_steps` steps or every `every_minutes` minutes (null turns a rule off), on SIGTERM to the driver or a
+    Ray Train preemption notice (`on_sigterm`, `on_preemption`), and after the last step (`at_end`). `resume`:
+    "auto" (the newest valid checkpoint in `dir`, if any), "never", or a checkpoint folder / URL to start from.
+    """
+
+    dir: str = ""
+    every_steps: int | None = 50
+    every_minutes: float | None = 30.0
+    keep_last: int = 3
+    keep_every: int | None = None
+    on_sigterm: bool = True
+    on_preemption: bool = True
+    at_end: bool = True
+    resume: str = "auto"
+    export_hf_every: int | None = None  # also write the policy as a HF directory every N steps
+    export_hf_steps: list[int] = field(default_factory=list)  # ... and at these steps
+    max_failures: int = 3  # Ray Train restarts after a worker failure (resuming from the latest checkpoint)
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options (S3 endpoint, keys, ...)
+    log_prompt_ids: bool = False  # write each step's prompt ids under `dir`/prompt_ids (audits, drills)
+
+
+@dataclass
 class DemoConfig:
     """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
 
@@ -214,6 +240,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -287,6 +314,10 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(inner, value, key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping (for example {key}.endpoint_url=...)")
+        return dict(value)
     if origin is list:
         items = value if isinstance(value, list) else [value]
         return [_coerce(args[0], v, key) for v in items]
@@ -425,6 +456,7 @@ def validate(config: Config) -> None:
         t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
         f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 1 (or null)",
     )
+    errors += _checkpoint_errors(config.checkpoint, t.steps)
     try:
         resolve_reward_fn(config.reward.function)
     except ConfigError as exc:
@@ -475,3 +507,30 @@ def _validate_reward(config: Config, need: Callable[[bool, str], None]) -> None:
                 check()
             except ConfigError as exc:
                 need(False, str(exc))
+
+
+def _checkpoint_errors(c: CheckpointConfig, steps: int) -> list[str]:
+    """The `checkpoint` section's problems, each naming the key, the value and the fix."""
+    errors = []
+    if c.every_steps is not None and c.every_steps < 1:
+        errors.append(f"checkpoint.every_steps={c.every_steps} must be >= 1 (or null to save by time only)")
+    if c.every_minutes is not None and not c.every_minutes > 0:
+        errors.append(
+            f"checkpoint.every_minutes={c.every_minutes} must be > 0 (or null to save by steps only)"
+        )
+    if c.keep_last < 1:
+        errors.append(
+            f"checkpoint.keep_last={c.keep_last} must be >= 1 (the newest checkpoint is always kept)"
+        )
+    if c.keep_every is not None and c.keep_every < 1:
+        errors.append(f"checkpoint.keep_every={c.keep_every} must be >= 1 (or null)")
+    if c.export_hf_every is not None and c.export_hf_every < 1:
+        errors.append(f"checkpoint.export_hf_every={c.export_hf_every} must be >= 1 (or null)")
+    bad = [s for s in c.export_hf_steps if not 1 <= s <= steps]
+    if bad:
+        errors.append(f"checkpoint.export_hf_steps={bad} must be steps in [1, train.steps={steps}]")
+    if c.max_failures < -1:
+        errors.append(f"checkpoint.max_failures={c.max_failures} must be >= 0 (or -1: retry without limit)")
+    if not c.resume:
+        errors.append("checkpoint.resume is empty; use auto, never, or a checkpoint folder / URL")
+    return errors

@@ -16,7 +16,6 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -32,7 +31,6 @@ from yatt_ray.algos import (
 )
 from yatt_ray.batch import pack
 from yatt_ray.config import Config
-from yatt_ray.errors import DataError
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.reward.scorer import Sample
@@ -60,7 +58,9 @@ class Layout:
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point: build the group's roles, run the steps, report the final checkpoint."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
-    GroupController(loop_config).run()
+    from yatt_ray.checkpoint.control import run_guarded
+
+    run_guarded(loop_config.get("control"), lambda: GroupController(loop_config).run())
 
 
 class GroupController:
@@ -115,6 +115,7 @@ class GroupController:
         self.prompts_per_group = t.prompts_per_step // t.dp_size
         if self.layout.is_controller:
             self._init_controller(loop_config)
+        self._init_checkpoints(loop_config)
 
     def _build_critic(self):
         """The value model: from `critic.path`, or the policy's trunk with a fresh scalar head."""
@@ -150,24 +151,49 @@ class GroupController:
             kv_cache_gb=cfg.rollout.kv_cache_gb,
             max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         )
-        self.prompt_stream = _forever(loop_config["train_shards"][dp], self.prompts_per_group)
         eval_shards = loop_config.get("eval_shards")
         self.eval_shard = eval_shards[dp] if eval_shards else None
         self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
 
+    def _init_checkpoints(self, loop_config: dict) -> None:
+        """Resume from the newest valid checkpoint (or start fresh), then open the prompt streams there."""
+        from yatt_ray.checkpoint.prompts import PromptFeed, open_splits, share_splits
+        from yatt_ray.checkpoint.training import TrainingCheckpoints
+
+        control, rank0 = loop_config["control"], self.layout.rank == 0
+        self.checkpoints = TrainingCheckpoints(self.config, self.layout, control)
+        self.resumed = self.checkpoints.resume(self)
+        epoch, consumed = (self.resumed.epoch, self.resumed.consumed) if self.resumed else (0, [])
+        dataset = loop_config["train_dataset"]
+        splits = share_splits(open_splits(dataset, self.layout.dp_size, consumed) if rank0 else None)
+        self.attempt = self.checkpoints.attempt_number()
+        if self.layout.is_controller:
+            dp = self.layout.dp_rank
+            rest = splits["rest"][dp] if splits["rest"] is not None else None
+            self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch)
+            self.prompt_stream = self.prompt_feed
+
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
-        first_eval = self.evaluate()
+        start = step = self.resumed.step if self.resumed else 0
+        if self.resumed is not None and self.layout.rank == 0:
+            self.checkpoints.announce(self.resumed, self.hub)
+        first_eval = self.evaluate() if self.resumed is None else {}
         if first_eval:
             self._push({"step": 0, **first_eval})
         last: dict[str, float] = {}
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(start + 1, cfg.train.steps + 1):
             last = self.step(step)
-            self._push(last)
-        final_eval = self.evaluate()
+            self._push({**last, **self.checkpoints.metrics()})
+            if self.layout.is_controller:
+                self.checkpoints.log_prompts(step, self.attempt, self.prompt_feed.last_ids)
+            if self.checkpoints.after_step(step, self):
+                break  # asked to stop: the checkpoint of this step is committed
+        final_eval = self.evaluate() if self.checkpoints.stop_reason is None else {}
         if final_eval:
             self._push({"step": cfg.train.steps, **final_eval})
+        self.checkpoints.finish(step, self)
         self._report_final({**last, **final_eval})
 
     def step(self, step: int) -> dict[str, float]:
@@ -418,17 +444,3 @@ class GroupController:
                 self.critic.save(os.path.join(tmp, "critic"))  # a HF LlamaForTokenClassification directory
             checkpoint = ray.train.Checkpoint.from_directory(tmp) if self.layout.rank == 0 else None
             ray.train.report(metrics, checkpoint=checkpoint)
-
-
-def _forever(shard, batch_size: int) -> Iterator[dict]:
-    """Batches of `batch_size` prompt rows from a Ray Data stream, epoch after epoch."""
-    while True:
-        empty = True
-        for batch in shard.iter_batches(batch_size=batch_size, drop_last=True, batch_format="numpy"):
-            empty = False
-            yield batch
-        if empty:
-            raise DataError(
-                f"this group's share of the prompt data holds fewer than {batch_size} rows (one step's prompts); "
-                "lower train.prompts_per_step or add data"
-            )

@@ -30,6 +30,9 @@ class Result:
     history: list[dict[str, float]] = field(default_factory=list)
     checkpoint_path: str | None = None
     output_dir: str = ""
+    checkpoint_dir: str = ""  # the run's checkpoints (`checkpoint.dir`)
+    steps_redone: int = 0  # training steps run again after restarts from a checkpoint
+    stopped: str | None = None  # why the run saved and stopped before train.steps ("SIGTERM"), else None
 
     def metric(self, key: str) -> list[float]:
         """The values of `key` over the training steps (rows that carry it), in step order."""
@@ -210,29 +213,33 @@ def _connect(config: Config) -> None:
 def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> Result:
     import ray
     import ray.data
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from yatt_ray.checkpoint.control import start_control
+    from yatt_ray.checkpoint.driver import StopOnSignal, one_curve, resolve_checkpoint_dir
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
     from yatt_ray.metrics.hub import start_hub
     from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
     output_dir = _output_dir(config)
+    resolve_checkpoint_dir(config, output_dir)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
     dp = plan.dp_size
-    train_shards = build_dataset(config.data, files["train"]).streaming_split(dp, equal=True)
+    train_dataset = build_dataset(config.data, files["train"])  # split by the workers (checkpoint/prompts.py)
     eval_shards = None
     if "eval" in files:
         eval_data = dataclasses.replace(config.data, shuffle_seed=None)
         eval_shards = build_dataset(eval_data, files["eval"]).streaming_split(dp, equal=True)
-    hub = start_hub()
+    hub, control = start_hub(), start_control()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
             "hub": hub,
-            "train_shards": train_shards,
+            "train_dataset": train_dataset,
+            "control": control,
             "eval_shards": eval_shards,
         },
         # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors
@@ -242,7 +249,11 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> 
             use_gpu=plan.uses_gpus,
             resources_per_worker=plan.trainer_resources(),
         ),
-        run_config=RunConfig(name="train", storage_path=str(output_dir / "ray")),
+        run_config=RunConfig(
+            name="train",
+            storage_path=str(output_dir / "ray"),
+            failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
+        ),
     )
     from yatt_ray.progress import DriverProgress
 
@@ -250,6 +261,7 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> 
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
     genrm_first = plan.genrm is not None and not (plan.mode == "full" and plan.uses_gpus)
+    signals = StopOnSignal(control, config.checkpoint.on_sigterm)
     try:
         if genrm_first:  # partial coexistence (or no GPUs): the judges are up before the first rollout
             deploy_genrm(config, plan, hub)
@@ -258,11 +270,14 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> 
             _deploy_beside_trainers(config, plan, hub)
         while thread.is_alive():
             progress.poll()
+            signals.poll()
             time.sleep(0.5)
         progress.poll()
     finally:
+        signals.close()
         if plan.genrm is not None:
             shutdown_genrm()
+        redone = one_curve(progress, output_dir)
         progress.close()  # metrics so far are flushed and plotted even when the run fails
     if "error" in outcome:
         raise _worker_error(outcome["error"]) from outcome["error"]
@@ -271,6 +286,9 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> 
         history=progress.history,
         checkpoint_path=os.path.join(checkpoint.path, "policy_hf") if checkpoint else None,
         output_dir=str(output_dir),
+        checkpoint_dir=config.checkpoint.dir,
+        steps_redone=redone,
+        stopped=signals.reason,
     )
 
 

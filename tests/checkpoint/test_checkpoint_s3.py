@@ -1,13 +1,10 @@
-"""The store and the writer against S3 (a local moto server on 127.0.0.1)."""
+"""The store and the writer against S3 (a local moto server on 127.0.0.1: the `s3_options` fixture in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import socket
-import subprocess
-import sys
-import time
 import uuid
 
 import pytest
@@ -15,55 +12,11 @@ import torch
 
 from yatt_ray.checkpoint import AsyncCheckpointWriter, CheckpointStore, load
 
-if importlib.util.find_spec("moto") is None:  # not imported here: moto.server pulls in Flask (see below)
+if (
+    importlib.util.find_spec("moto") is None
+):  # never imported here: moto.server pulls in Flask (see tests/conftest.py)
     pytest.skip("moto[server] is not installed (pip install 'moto[server]')", allow_module_level=True)
 pytest.importorskip("s3fs", reason="s3fs is not installed: fsspec needs it for s3:// URLs")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_options():
-    """A moto S3 server in its own process on 127.0.0.1.
-
-    Not in-process: moto's server imports Flask, whose `current_app` proxy makes vLLM's kernel rebinding
-    (which inspects every loaded module) fail for the rest of the pytest session.
-    """
-    import boto3
-
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.create_bucket(Bucket="ckpt")
-            break
-        except Exception:  # the server is still starting
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise
-            time.sleep(0.2)
-    try:
-        yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 @pytest.fixture

@@ -1,0 +1,102 @@
+"""The pieces of training checkpoints that need no cluster: one metrics curve, the data-position filter,
+resume URLs, the drill filesystem and the config section."""
+
+import numpy as np
+import pytest
+
+from yatt_ray.checkpoint import CheckpointStore
+from yatt_ray.checkpoint.faults import FAIL_WRITES
+from yatt_ray.checkpoint.history import RESUME_KEY, rewind_history
+from yatt_ray.checkpoint.prompts import ExcludeIds
+from yatt_ray.checkpoint.training import _split_step
+from yatt_ray.config import load_config
+from yatt_ray.errors import ConfigError
+
+
+def test_rewind_keeps_the_redone_steps_last_version():
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1},
+        *({"step": s, "reward_mean": s / 10} for s in (1, 2, 3, 4)),  # the attempt that died after step 4
+        {"step": 2, RESUME_KEY: 2},
+        {"step": 3, "reward_mean": 0.33},
+        {"step": 4, "reward_mean": 0.44},
+        {"step": 5, "reward_mean": 0.55},
+        {"step": 5, "eval/accuracy": 0.5},
+    ]
+    kept, dropped = rewind_history(rows)
+    train = [(r["step"], r["reward_mean"]) for r in kept if "reward_mean" in r]
+    assert train == [(1, 0.1), (2, 0.2), (3, 0.33), (4, 0.44), (5, 0.55)]
+    assert dropped == 2
+    assert [r["step"] for r in kept if "eval/accuracy" in r] == [0, 5]
+    assert any(RESUME_KEY in r for r in kept)
+
+
+def test_exclude_ids_drops_consumed_rows_and_keeps_order():
+    batch = {"id": np.array([5, 1, 9, 3]), "prompt": np.array(["a", "b", "c", "d"])}
+    out = ExcludeIds([9, 5, 100])(batch)
+    assert out["id"].tolist() == [1, 3] and out["prompt"].tolist() == ["b", "d"]
+
+
+@pytest.mark.parametrize(
+    ("url", "root", "step"),
+    [
+        ("/runs/a/checkpoints", "/runs/a/checkpoints", None),
+        ("/runs/a/checkpoints/step_00000040", "/runs/a/checkpoints", 40),
+        ("s3://b/run/step_00000002/", "s3://b/run", 2),
+    ],
+)
+def test_resume_url_names_a_run_or_one_step(url, root, step):
+    assert _split_step(url) == (root, step)
+
+
+def test_faulty_filesystem_fails_writes_like_a_full_disk(tmp_path):
+    store = CheckpointStore(f"faulty://{tmp_path}")
+    pending = store.begin(1)
+    pending.write("a.bin", b"ok")
+    store.commit(pending)
+    (tmp_path / FAIL_WRITES).write_text("")
+    pending = store.begin(2)
+    with pytest.raises(OSError, match="No space left"):
+        pending.write("a.bin", b"no")
+    pending.abort()
+    assert store.latest_valid().step == 1  # the earlier checkpoint is untouched
+
+
+def test_checkpoint_config_errors_name_key_value_and_fix():
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None, ["checkpoint.every_steps=0", "checkpoint.keep_last=0", "checkpoint.export_hf_steps=[0]"]
+        )
+    text = str(err.value)
+    assert "checkpoint.every_steps=0 must be >= 1" in text
+    assert "checkpoint.keep_last=0" in text and "checkpoint.export_hf_steps=[0]" in text
+    c = load_config(None, ["checkpoint.storage_options.endpoint_url=http://127.0.0.1:9000"]).checkpoint
+    assert c.storage_options == {"endpoint_url": "http://127.0.0.1:9000"} and c.resume == "auto"
+
+
+def test_resume_on_another_tensor_parallel_size_says_both_sizes(tmp_path):
+    from yatt_ray.checkpoint import CheckpointError
+    from yatt_ray.checkpoint.training import TrainingCheckpoints
+    from yatt_ray.controller import Layout
+
+    config = load_config(None, [f"checkpoint.dir={tmp_path}", "train.tp_size=2", "train.dp_size=1"])
+    layout = Layout(rank=0, dp_rank=0, dp_size=1, tp_rank=0, tp_size=2)
+    checkpoints = TrainingCheckpoints(config, layout, control=None)
+    with pytest.raises(CheckpointError, match=r"train.tp_size=1, this run has train.tp_size=2.*resume with"):
+        checkpoints._check_layout({"tp_size": 1, "dp_size": 2, "world_size": 2}, str(tmp_path), 4)
+    checkpoints._check_layout(
+        {"tp_size": 2, "dp_size": 4, "world_size": 8}, str(tmp_path), 4
+    )  # dp may differ
+
+
+def test_idle_rows_that_trail_their_step_are_not_redone_steps():
+    """The driver writes a step's idle row once the next step's spans arrive: after that step's training row."""
+    rows = [
+        {"step": 1, "reward_mean": 0.1},
+        {"step": 2, "reward_mean": 0.2},
+        {"step": 1, "idle/mean": 0.3, "idle/max": 0.4},
+        {"step": 3, "reward_mean": 0.3},
+        {"step": 2, "idle/mean": 0.3, "idle/max": 0.4},
+    ]
+    kept, dropped = rewind_history(rows)
+    assert dropped == 0 and kept == rows

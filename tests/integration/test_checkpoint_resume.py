@@ -1,0 +1,156 @@
+"""Checkpoints in real runs on the shared cluster: resume (exactly once per prompt, one metrics curve, another
+worker count, a damaged newest checkpoint), a killed worker, SIGTERM, a full disk, and the HF export.
+
+Every run is the demo task cut to a few steps (8 prompts x 2 samples, no eval set) with a checkpoint every 2
+steps and the per-step prompt-id log on; `prompt_audit` reads that log back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import yatt_ray
+from yatt_ray.checkpoint import CheckpointStore
+from yatt_ray.checkpoint.drills import (
+    committed_steps,
+    corrupt_checkpoint,
+    kill_training_worker,
+    prompt_audit,
+    when,
+)
+from yatt_ray.checkpoint.faults import FAIL_WRITES
+from yatt_ray.config import Config
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = 8
+
+
+def short_run(ckpt_dir, out, steps: int, *overrides: str):
+    from yatt_ray.tasks.demo import prepare_demo
+
+    demo = prepare_demo(Config())
+    config = yatt_ray.load_config(
+        REPO / "examples/configs/grpo.yaml",
+        [f"model.path={demo.model.path}", f"data.train_files=[{demo.data.train_files[0]}]", "data.eval_files=[]",
+         f"output.dir={out}", "output.progress=false", "output.tensorboard=false", "output.plot=false",
+         f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "rollout.n=2", "train.dp_size=2",
+         f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", *overrides],
+    )  # fmt: skip
+    return yatt_ray.fit(config)
+
+
+def train_steps(result) -> list[int]:
+    return [int(r["step"]) for r in result.history if "reward_mean" in r]
+
+
+def assert_each_prompt_once(ckpt_dir: str, steps: int) -> None:
+    audit = prompt_audit(ckpt_dir)
+    assert audit.steps == steps and audit.prompts == steps * PROMPTS, audit
+    assert audit.duplicated == 0 and audit.lost == 0, audit
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_cluster, demo_cache, tmp_path_factory):
+    """4 steps on 2 workers, checkpoints at 2 and 4, the policy exported as HF at step 2."""
+    tmp = tmp_path_factory.mktemp("resume")
+    ckpt = str(tmp / "ckpt")
+    return ckpt, short_run(ckpt, tmp, 4, "checkpoint.export_hf_steps=[2]")
+
+
+def test_run_commits_checkpoints_with_retention_and_export(first_run):
+    ckpt, result = first_run
+    assert train_steps(result) == [1, 2, 3, 4] and result.checkpoint_dir == ckpt
+    assert committed_steps(ckpt) == [2, 4]
+    assert CheckpointStore(ckpt).latest_valid().step == 4
+    assert max(result.metric("checkpoint/failures")) == 0
+    assert Path(ckpt, "hf", "step_00000002", "model.safetensors").exists()
+
+
+def test_hf_export_loads_in_transformers_and_vllm(first_run):
+    """The exported policy gives the same greedy tokens in transformers and in a vLLM engine (in a Ray task)."""
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = str(Path(first_run[0], "hf", "step_00000002"))
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    prompt = tokenizer("12+7=")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    hf_tokens = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :]
+
+    def vllm_greedy(path: str, ids: list[int]) -> list[int]:
+        from yatt_ray.rollout import SamplingSpec, make_engine
+
+        engine = make_engine("vllm", path, seed=0, kv_cache_gb=1.0)
+        out = engine.generate([ids], SamplingSpec(n=1, max_new_tokens=4, temperature=0.0))
+        return list(out[0][0].token_ids)
+
+    task = ray.remote(num_cpus=1)(vllm_greedy).remote(export, prompt)
+    vllm_tokens = ray.get(task, timeout=600)
+    assert vllm_tokens[: len(hf_tokens)] == hf_tokens.tolist()[: len(vllm_tokens)] and vllm_tokens
+
+
+def test_resume_past_a_damaged_checkpoint_on_fewer_workers(first_run, tmp_path):
+    """Step 4 is damaged: the resume warns, takes step 2, redoes 3-4 on one worker, runs to 6; the curve and
+    the prompts continue as if nothing happened."""
+    ckpt, first = first_run
+    corrupt_checkpoint(ckpt, 4)
+    result = short_run(ckpt, tmp_path, 6, "train.dp_size=1")
+    assert result.metric("checkpoint/resumed_from") == [2.0]
+    assert train_steps(result) == [1, 2, 3, 4, 5, 6]  # steps 1-2 come from the checkpoint's history
+    assert result.history[0] == first.history[0]  # the same curve, not a new one
+    assert committed_steps(ckpt)[-1] == 6
+    assert_each_prompt_once(ckpt, 6)
+
+
+def test_killed_worker_restarts_from_the_latest_checkpoint(ray_cluster, demo_cache, tmp_path):
+    ckpt, killed = str(tmp_path / "ckpt"), []
+    when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
+    result = short_run(ckpt, tmp_path, 4)
+    assert killed, "the drill did not kill a worker"
+    assert result.metric("checkpoint/resumed_from"), "the run did not restart from a checkpoint"
+    assert train_steps(result) == [1, 2, 3, 4]  # one curve: redone steps appear once
+    assert_each_prompt_once(ckpt, 4)
+
+
+def test_sigterm_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    when(lambda: bool(committed_steps(ckpt)), lambda: os.kill(os.getpid(), signal.SIGTERM))
+    first = short_run(ckpt, tmp_path, 8)
+    assert first.stopped == "SIGTERM"
+    stopped_at = train_steps(first)[-1]
+    assert stopped_at < 8 and committed_steps(ckpt)[-1] == stopped_at  # saved at the step it stopped
+    second = short_run(ckpt, tmp_path, 8)
+    assert second.metric("checkpoint/resumed_from") == [float(stopped_at)]
+    assert train_steps(second) == list(range(1, 9))
+    assert_each_prompt_once(ckpt, 8)
+
+
+def test_full_disk_during_a_save_keeps_training(ray_cluster, demo_cache, tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    ckpt = f"faulty://{root}"
+    when(lambda: bool(committed_steps(ckpt)), lambda: (root / "ranks" / FAIL_WRITES).write_text(""))
+    result = short_run(ckpt, tmp_path, 4)
+    assert train_steps(result) == [1, 2, 3, 4]
+    assert max(result.metric("checkpoint/failures")) > 0  # reported
+    assert CheckpointStore(ckpt).latest_valid().step == 2  # the checkpoint before the failure is intact
+
+
+def test_checkpoints_on_s3_commit_export_and_resume(ray_cluster, demo_cache, tmp_path, s3_options):
+    """checkpoint.dir on S3 (moto on 127.0.0.1): saves, the HF export and a resume all go through fsspec."""
+    import uuid
+
+    url = f"s3://ckpt/{uuid.uuid4().hex}/run"
+    options = [f"checkpoint.storage_options.{k}={v}" for k, v in s3_options.items()]
+    first = short_run(url, tmp_path, 3, "checkpoint.export_hf_steps=[2]", *options)
+    store = CheckpointStore(url, storage_options=s3_options)
+    assert train_steps(first) == [1, 2, 3] and store.list_committed() == [2, 3]  # every 2 steps + at the end
+    assert store.fs.exists(f"{store.root}/hf/step_00000002/model.safetensors")
+    second = short_run(url, tmp_path, 4, *options)
+    assert second.metric("checkpoint/resumed_from") == [3.0] and train_steps(second) == [1, 2, 3, 4]
+    assert store.latest_valid().step == 4

@@ -1,0 +1,454 @@
+"""Checkpoints of a training run as the workers see them: resume, save on schedule, commit, export.
+
+Layout under `checkpoint.dir` (any fsspec URL)::
+
+    step_00000040/manifest.json           the run's commit marker for step 40 (no files; layout in metadata)
+    ranks/rank_00000/step_00000040/...    rank 0's files: rng.pt, policy.pt (+ critic.pt), run.pt
+    ranks/rank_00001/step_00000040/...    rank 1's files: rng.pt (+ its tensor-parallel shard when DP rank 0)
+    hf/step_00000040/                     a Hugging Face export of the policy (at the chosen steps)
+    prompt_ids/                           per-step prompt ids (only with checkpoint.log_prompt_ids)
+
+Each rank writes its own files in the background (`AsyncCheckpointWriter` on its own store) and commits them
+there. After every step the ranks exchange which saves they have finished; once every rank has committed step
+s, rank 0 commits ``step_s/manifest.json``. A resume takes the newest step whose run marker and every needed
+rank file verify (sha256); a damaged one is skipped with a warning. Rank 0 applies retention to the run's
+markers and removes the rank files of steps no longer kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from yatt_ray.checkpoint.history import RESUME_KEY, rewind_history, row_kind
+from yatt_ray.checkpoint.schedule import CheckpointSchedule
+from yatt_ray.checkpoint.state import load_trainer_state, rng_state, set_rng_state, trainer_state
+from yatt_ray.checkpoint.store import CheckpointError, CheckpointRef, CheckpointStore, step_dir_name
+from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
+
+log = logging.getLogger("yatt_ray.checkpoint")
+
+RUN_FORMAT = "yatt_ray.run/1"
+_NO_RETENTION = 2**31 - 1  # rank stores keep everything; rank 0 prunes them after the run's retention
+_STEP_RE = re.compile(r"step_(\d{8,})/?$")
+
+
+def rank_url(root: str, rank: int) -> str:
+    return f"{root.rstrip('/')}/ranks/rank_{rank:05d}"
+
+
+@dataclass
+class Resumed:
+    """What a resumed run continues from (the trainers and RNGs are already restored)."""
+
+    step: int
+    epoch: int
+    consumed: list
+    history: list[dict[str, float]] = field(default_factory=list)
+    source: str = ""
+
+
+class TrainingCheckpoints:
+    """One worker's side of the run's checkpoints; every method that says "collective" is called by all ranks.
+
+    `ctrl` arguments are the worker's `GroupController` (policy, critic, kl_ctl, prompt_feed, layout, hub).
+    """
+
+    def __init__(self, config, layout, control) -> None:
+        c = config.checkpoint
+        self.config, self.cfg, self.layout, self.control = config, c, layout, control
+        opts = dict(c.storage_options)
+        self.store = CheckpointStore(
+            c.dir, keep_last=c.keep_last, keep_every=c.keep_every, storage_options=opts
+        )
+        self.rank_store = CheckpointStore(rank_url(c.dir, layout.rank), _NO_RETENTION, None, opts)
+        self.writer = AsyncCheckpointWriter(self.rank_store)
+        self.schedule = CheckpointSchedule(c.every_steps, c.every_minutes)
+        self.handles: list[SaveHandle] = []
+        self.ok_steps: set[int] = set()
+        self.agreed = 0  # newest step every rank has written (committed by rank 0 unless that failed)
+        self.failures = 0  # this rank's failed saves and commits
+        self.failures_all = 0  # every rank's, as of the last exchange
+        self.overhead_s = 0.0  # how long the last `after_step` held the loop
+        self.stop_reason: str | None = None
+        self.last_saved = -1
+        self.preempt_saved = False
+        self.session = ""  # one id per start of the training function (see `attempt_number`)
+        self.agreed_at_start = 0  # the step this start resumed from (0: a fresh start)
+
+    # ---- resume (collective) --------------------------------------------------------------------------------
+    def resume(self, ctrl) -> Resumed | None:
+        """Restore the newest valid checkpoint (per `checkpoint.resume`) into `ctrl`; None for a fresh start."""
+        choice: Any = None
+        if self.layout.rank == 0:
+            try:
+                choice = self._choose()
+            except Exception as exc:  # every rank raises it, none waits forever
+                choice = exc
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        if box[0] is None:
+            self._drop_newer(0)  # rank files of an attempt that died before its first run marker
+            return None
+        root, step, meta = box[0]
+        self._check_layout(meta, root, step)
+        resumed = self._restore(ctrl, root, step, meta)
+        self._drop_newer(step)
+        self.schedule.mark_saved(step)
+        self.agreed = self.last_saved = self.agreed_at_start = step
+        log.warning("resumed from checkpoint step %d in %s", step, root)
+        return resumed
+
+    def _choose(self) -> tuple[str, int, dict] | None:
+        """Rank 0: (root URL, step, run metadata) of the checkpoint to resume from, or None."""
+        mode = self.cfg.resume
+        if mode == "never":
+            if self.store.list_committed():
+                raise CheckpointError(
+                    f"checkpoint.dir={self.cfg.dir!r} already holds checkpoints {self.store.list_committed()} "
+                    "but checkpoint.resume=never: use a new checkpoint.dir, or checkpoint.resume=auto to continue"
+                )
+            return None
+        root, only = (self.cfg.dir, None) if mode == "auto" else _split_step(mode)
+        source = CheckpointStore(root, storage_options=dict(self.cfg.storage_options))
+        steps = source.list_committed()
+        if only is not None:
+            steps = [s for s in steps if s == only]
+        if mode != "auto" and not steps:
+            raise CheckpointError(
+                f"checkpoint.resume={mode!r} holds no committed checkpoint; give a checkpoint.dir of an earlier "
+                "run (or one of its step_XXXXXXXX folders), or use checkpoint.resume=auto"
+            )
+        for step in reversed(steps):
+            problem, meta = _verify_run_step(source, root, step, self.cfg.storage_options)
+            if problem is None:
+                return root, step, meta
+            log.warning(
+                "checkpoint step %d in %s is damaged (%s); falling back to an older checkpoint",
+                step,
+                root,
+                problem,
+            )
+        if steps:
+            raise CheckpointError(f"no valid checkpoint in {root!r}: every one of steps {steps} is damaged")
+        return None
+
+    def _check_layout(self, meta: dict, root: str, step: int) -> None:
+        tp, dp = self.layout.tp_size, self.layout.dp_size
+        if meta["tp_size"] != tp:
+            raise CheckpointError(
+                f"checkpoint step {step} in {root} was saved with train.tp_size={meta['tp_size']}, this run has "
+                f"train.tp_size={tp}: tensor-parallel shards cannot be re-split; resume with "
+                f"train.tp_size={meta['tp_size']} (train.dp_size may differ)"
+            )
+        if meta["dp_size"] != dp:
+            log.warning(
+                "resuming checkpoint step %d saved with train.dp_size=%d on train.dp_size=%d: model and optimizer "
+                "come from data-parallel rank 0, the consumed prompts are global; RNG streams of new ranks are "
+                "fresh",
+                step,
+                meta["dp_size"],
+                dp,
+            )
+
+    def _restore(self, ctrl, root: str, step: int, meta: dict) -> Resumed:
+        opts = dict(self.cfg.storage_options)
+
+        def entries(rank: int, names: list[str]) -> dict[str, Any]:
+            store = CheckpointStore(rank_url(root, rank), _NO_RETENTION, None, opts)
+            return load(store, store.ref(step), names=names)
+
+        trainers = ["policy"] + (["critic"] if ctrl.critic is not None else [])
+        state = entries(self.layout.tp_rank, trainers)  # data-parallel rank 0 holds this TP shard
+        load_trainer_state(ctrl.policy, state["policy"])
+        if ctrl.critic is not None:
+            load_trainer_state(ctrl.critic, state["critic"])
+        run = entries(0, ["run"])["run"]
+        ctrl.kl_ctl.value = float(run["kl"])
+        ctrl.sync_weights()  # the rollout engine generates with the restored policy
+        if self.layout.rank < meta["world_size"]:
+            set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
+        return Resumed(step, int(run["epoch"]), list(run["consumed"]), list(run["history"]), root)
+
+    def _drop_newer(self, step: int) -> None:
+        """Remove this run's checkpoints after `step` (a dead attempt's, or damaged): the redone steps replace
+        them."""
+        stores = [self.rank_store] + ([self.store] if self.layout.rank == 0 else [])
+        for store in stores:
+            committed, unfinished = store._scan()
+            for s in sorted(set(committed + unfinished)):
+                if s > step:
+                    store.delete(s)
+        dist.barrier()
+
+    def attempt_number(self) -> int:
+        """Collective: how many times the training function has started in this run (1 = the first)."""
+        import ray
+
+        box: list[Any] = [None]
+        if self.layout.rank == 0:
+            box = [(ray.get(self.control.start_attempt.remote(), timeout=60), uuid.uuid4().hex[:12])]
+        dist.broadcast_object_list(box, src=0)
+        attempt, self.session = box[0]
+        return int(attempt)
+
+    def announce(self, resumed: Resumed, hub) -> None:
+        """Rank 0: a resume marker row; a new driver (empty hub) also gets the checkpoint's metrics history, so
+        the resumed run's curve starts at step 1."""
+        import ray
+
+        timeout = self.config.cluster.timeout_s
+        if not ray.get(hub.rows_since.remote(0), timeout=timeout):
+            for row in resumed.history:
+                ray.get(hub.push.remote(row), timeout=timeout)
+        ray.get(hub.push.remote({"step": resumed.step, RESUME_KEY: resumed.step}), timeout=timeout)
+
+    # ---- after each step (collective) ----------------------------------------------------------------------
+    def after_step(self, step: int, ctrl) -> bool:
+        """Commit finished saves, save when due, export when due; True when the run should stop now. The time
+        it held the step is kept in `overhead_s` (the next step's row reports it)."""
+        start = time.perf_counter()
+        head = self._exchange(step, poll=True)
+        reason = head["stop"] or head["due"]
+        if head["stop"]:
+            self.stop_reason = head["stop"]
+        if reason:
+            self.save(step, ctrl, reason, wait=bool(head["stop"]) or head["due"] == "preemption notice")
+        if self._export_due(step):
+            self.export_hf(step, ctrl)
+        self.overhead_s = time.perf_counter() - start
+        return self.stop_reason is not None
+
+    def finish(self, step: int, ctrl) -> None:
+        """At the end (or a stop): the final save when `checkpoint.at_end`, then wait for every write."""
+        if self.cfg.at_end and self.last_saved != step:
+            self.save(step, ctrl, "end of run", wait=True)
+        if not self.writer.close(timeout=self.config.cluster.timeout_s):
+            log.error("the checkpoint of step %d is still being written after cluster.timeout_s", step)
+        self._exchange(step, poll=False)
+        if self.layout.rank == 0:  # the last saves' outcome, which no step row carries
+            import ray
+
+            row = {
+                "step": step,
+                "checkpoint/failures": self.failures_all,
+                "checkpoint/committed": self.agreed,
+            }
+            ray.get(ctrl.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        """For the step's row: failed saves so far (all ranks) and the previous step's checkpoint overhead."""
+        return {"checkpoint/failures": float(self.failures_all), "checkpoint/overhead_s": self.overhead_s}
+
+    def _exchange(self, step: int, poll: bool) -> dict:
+        """Tell every rank what the others finished; rank 0 commits the newest step all have written. Returns
+        rank 0's view: {"stop": reason or None, "due": reason or None}."""
+        self._collect_handles()
+        mine: dict[str, Any] = {
+            "ok": sorted(self.ok_steps),
+            "stop": None,
+            "due": None,
+            "failed": self.failures,
+        }
+        if poll and self.layout.rank == 0:
+            mine["stop"] = self._stop_requested()
+            mine["due"] = self.schedule.reason(step)
+        if poll and self.cfg.on_preemption and _preemption_notice() and not self.preempt_saved:
+            self.preempt_saved = True  # one just-in-time save; Ray Train restarts from it after the reclaim
+            mine["due"] = "preemption notice"
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine)
+        self.failures_all = sum(v["failed"] for v in views)
+        common = set.intersection(*(set(v["ok"]) for v in views))
+        if common and max(common) > self.agreed:
+            self.agreed = max(common)
+            if self.layout.rank == 0:
+                self._commit(self.agreed)
+        self.ok_steps = {s for s in self.ok_steps if s > self.agreed}
+        due = views[0]["due"] or next((v["due"] for v in views if v["due"] == "preemption notice"), None)
+        return {"stop": views[0]["stop"], "due": due}
+
+    def _collect_handles(self) -> None:
+        for handle in [h for h in self.handles if h.done()]:
+            self.handles.remove(handle)
+            if handle.ref is not None:
+                self.ok_steps.add(handle.step)
+            else:
+                self.failures += 1  # the writer has logged it; the previous checkpoint stays the newest
+
+    def _stop_requested(self) -> str | None:
+        import ray
+
+        return ray.get(self.control.stop_requested.remote(), timeout=self.config.cluster.timeout_s)
+
+    def _commit(self, step: int) -> None:
+        """Rank 0: the run's marker for `step`, retention, and pruning of the rank files no longer kept."""
+        meta = {
+            "format": RUN_FORMAT,
+            "world_size": dist.get_world_size(),
+            "dp_size": self.layout.dp_size,
+            "tp_size": self.layout.tp_size,
+        }
+        try:
+            self.store.commit(self.store.begin(step), meta)
+            self.store.apply_retention(known_valid=step)
+            self._prune_ranks(set(self.store.list_committed()), step)
+        except Exception as exc:  # storage trouble must not stop training; the older markers stay valid
+            self.failures += 1
+            log.error(
+                "checkpoint step %d: committing the run marker failed (%r); training goes on", step, exc
+            )
+
+    def _prune_ranks(self, kept: set[int], newest: int) -> None:
+        """Rank 0: delete rank files of steps older than `newest` that the run no longer keeps (any rank count)."""
+        try:
+            rank_dirs = self.store.fs.ls(f"{self.store.root}/ranks", detail=False)
+        except FileNotFoundError:
+            return
+        opts = dict(self.cfg.storage_options)
+        for rank_dir in rank_dirs:
+            m = re.search(r"rank_(\d+)$", str(rank_dir).rstrip("/"))
+            if m is None:
+                continue
+            store = CheckpointStore(rank_url(self.cfg.dir, int(m.group(1))), _NO_RETENTION, None, opts)
+            committed, unfinished = store._scan()
+            for s in set(committed + unfinished):
+                if s < newest and s not in kept:
+                    store.delete(s)
+
+    # ---- saving (collective) -------------------------------------------------------------------------------
+    def save(self, step: int, ctrl, reason: str, wait: bool) -> None:
+        """Snapshot this rank's state and write it in the background (`wait`: then wait and commit)."""
+        payload = self._payload(step, ctrl)
+        try:
+            handle = self.writer.save(step, payload, {"rank": self.layout.rank, "reason": reason})
+            self.handles.append(handle)
+            log.info("checkpoint step %d (%s): blocked %.3fs", step, reason, handle.blocking_s)
+        except CheckpointError as exc:
+            self.failures += 1
+            log.error("checkpoint step %d could not start (%s); training goes on", step, exc)
+        self.schedule.mark_saved(step)
+        self.last_saved = step
+        if wait:
+            last = self.writer.last_handle
+            if last is not None and not last.wait(self.config.cluster.timeout_s):
+                log.error(
+                    "checkpoint step %d still writing after cluster.timeout_s; not waiting longer", step
+                )
+            self._exchange(step, poll=False)
+
+    def _payload(self, step: int, ctrl) -> dict[str, Any]:
+        feed = getattr(ctrl, "prompt_feed", None)
+        ids = feed.consumed if feed is not None else []
+        gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
+        dist.gather_object(ids, gathered, dst=0)
+        payload: dict[str, Any] = {"rng": rng_state()}
+        if self.layout.dp_rank == 0:
+            payload["policy"] = trainer_state(ctrl.policy)
+            if ctrl.critic is not None:
+                payload["critic"] = trainer_state(ctrl.critic)
+        if self.layout.rank == 0:
+            assert gathered is not None and feed is not None
+            consumed = sorted({i for part in gathered for i in part})
+            payload["run"] = {
+                "step": step,
+                "epoch": feed.epoch,
+                "consumed": consumed,
+                "history": self._history(ctrl),
+                "kl": float(ctrl.kl_ctl.value),
+            }
+        return payload
+
+    def _history(self, ctrl) -> list[dict[str, float]]:
+        import ray
+
+        rows = ray.get(ctrl.hub.rows_since.remote(0), timeout=self.config.cluster.timeout_s)
+        return [r for r in rewind_history(rows)[0] if row_kind(r) != "checkpoint"]
+
+    # ---- Hugging Face export (collective over the TP group) ---------------------------------------------------
+    def _export_due(self, step: int) -> bool:
+        every = self.cfg.export_hf_every
+        return step in self.cfg.export_hf_steps or bool(every and step % every == 0)
+
+    def export_hf(self, step: int, ctrl) -> str | None:
+        """Write the policy as a HF directory under ``<dir>/hf/step_XXXXXXXX``; errors are logged, not raised."""
+        target = f"{self.store.root}/hf/{step_dir_name(step)}"
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                local = target if self.store.is_local else os.path.join(tmp, "hf")
+                written = ctrl.policy.save_hf(local)  # TP collective; the writer rank returns its path
+                if written is not None and not self.store.is_local:
+                    self.store.fs.put(local, target, recursive=True)
+            return target if written is not None else None
+        except Exception as exc:
+            self.failures += 1
+            log.error("Hugging Face export of step %d to %s failed (%r); training goes on", step, target, exc)
+            return None
+
+    # ---- prompt audit log ----------------------------------------------------------------------------------
+    def log_prompts(self, step: int, attempt: int, ids: list) -> None:
+        """With `checkpoint.log_prompt_ids`: this controller's prompt ids of `step` as one small JSON file."""
+        if not self.cfg.log_prompt_ids:
+            return
+        name = f"step_{step:08d}.dp_{self.layout.dp_rank:03d}.{self.session}.json"
+        record = {
+            "step": step,
+            "dp_rank": self.layout.dp_rank,
+            "attempt": attempt,
+            "session": self.session,
+            "base": self.agreed_at_start,
+            "ids": ids,
+            "t": time.time(),
+        }
+        folder = f"{self.store.root}/prompt_ids"
+        try:
+            self.store.fs.makedirs(folder, exist_ok=True)
+            self.store.fs.pipe_file(f"{folder}/{name}", json.dumps(record).encode())
+        except Exception as exc:
+            log.error("could not write the prompt-id log of step %d (%r)", step, exc)
+
+
+def _split_step(url: str) -> tuple[str, int | None]:
+    """A resume URL: a run's checkpoint folder, or one of its step_XXXXXXXX folders."""
+    m = _STEP_RE.search(url)
+    if m is None:
+        return url, None
+    return url[: m.start()].rstrip("/") or "/", int(m.group(1))
+
+
+def _verify_run_step(source: CheckpointStore, root: str, step: int, opts: dict) -> tuple[str | None, dict]:
+    """(None, run metadata) when step's marker and every rank file it needs verify; else (the problem, {})."""
+    try:
+        ref: CheckpointRef = source.ref(step)
+    except CheckpointError as exc:
+        return str(exc), {}
+    meta = ref.manifest.metadata
+    if meta.get("format") != RUN_FORMAT:
+        return f"not a yatt_ray run checkpoint (metadata {meta})", {}
+    for rank in range(int(meta["world_size"])):
+        store = CheckpointStore(rank_url(root, rank), _NO_RETENTION, None, dict(opts))
+        try:
+            problem = store.verify(store.ref(step))
+        except CheckpointError as exc:
+            problem = str(exc)
+        if problem is not None:
+            return f"rank {rank}: {problem}", {}
+    return None, meta
+
+
+def _preemption_notice() -> bool:
+    """Ray Train's advance notice that a node of this run is about to be reclaimed (a barrier over workers)."""
+    import ray.train
+
+    return ray.train.get_preemption_info() is not None
