@@ -211,52 +211,17 @@ def _connect(config: Config) -> None:
 
 
 def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> Result:
-    import ray
-    import ray.data
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+    """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     from yatt_ray.checkpoint.control import start_control
     from yatt_ray.checkpoint.driver import StopOnSignal, one_curve, resolve_checkpoint_dir
-    from yatt_ray.controller import train_loop_per_worker
-    from yatt_ray.data import build_dataset
     from yatt_ray.metrics.hub import start_hub
+    from yatt_ray.progress import DriverProgress
     from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
     output_dir = _output_dir(config)
     resolve_checkpoint_dir(config, output_dir)
-    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
-    dp = plan.dp_size
-    train_dataset = build_dataset(config.data, files["train"])  # split by the workers (checkpoint/prompts.py)
-    eval_shards = None
-    if "eval" in files:
-        eval_data = dataclasses.replace(config.data, shuffle_seed=None)
-        eval_shards = build_dataset(eval_data, files["eval"]).streaming_split(dp, equal=True)
     hub, control = start_hub(), start_control()
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={
-            "config": config.to_dict(),
-            "hub": hub,
-            "train_dataset": train_dataset,
-            "control": control,
-            "eval_shards": eval_shards,
-        },
-        # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors
-        torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if real_gpus else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=plan.num_workers,
-            use_gpu=plan.uses_gpus,
-            resources_per_worker=plan.trainer_resources(),
-        ),
-        run_config=RunConfig(
-            name="train",
-            storage_path=str(output_dir / "ray"),
-            failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
-        ),
-    )
-    from yatt_ray.progress import DriverProgress
-
+    trainer = _trainer(config, plan, files, real_gpus, output_dir, {"hub": hub, "control": control})
     progress = DriverProgress(hub, config, output_dir)
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
@@ -289,6 +254,46 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> 
         checkpoint_dir=config.checkpoint.dir,
         steps_redone=redone,
         stopped=signals.reason,
+    )
+
+
+def _trainer(
+    config: Config, plan, files: dict[str, list[str]], real_gpus: bool, output_dir: Path, actors: dict
+):
+    """The TorchTrainer: one worker per plan slot, the datasets (split by the workers) and the run's actors
+    (`hub` for metrics, `control` for stop requests) in the train-loop config."""
+    import ray.data
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from yatt_ray.controller import train_loop_per_worker
+    from yatt_ray.data import build_dataset
+
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
+    eval_shards = None
+    if "eval" in files:
+        eval_data = dataclasses.replace(config.data, shuffle_seed=None)
+        eval_shards = build_dataset(eval_data, files["eval"]).streaming_split(plan.dp_size, equal=True)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": config.to_dict(),
+            "train_dataset": build_dataset(config.data, files["train"]),  # split in checkpoint/prompts.py
+            "eval_shards": eval_shards,
+            **actors,
+        },
+        # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors
+        torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if real_gpus else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=plan.num_workers,
+            use_gpu=plan.uses_gpus,
+            resources_per_worker=plan.trainer_resources(),
+        ),
+        run_config=RunConfig(
+            name="train",
+            storage_path=str(output_dir / "ray"),
+            failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
+        ),
     )
 
 
