@@ -76,18 +76,26 @@ def test_verdicts_follow_the_reference(two_replicas):
 
 
 def test_requests_are_batched_on_the_replicas(two_replicas):
+    """Each replica runs several requests per engine call (Serve's router may favour one replica on a busy
+    machine, so the count is over the replicas that answer)."""
     from ray import serve
 
     handle = serve.get_app_handle(APP_NAME)
-    before = {s["worker"]: s for s in (handle.stats.remote().result() for _ in range(20))}
+
+    def stats() -> dict[str, dict]:
+        return {s["worker"]: s for s in (handle.stats.remote().result() for _ in range(30))}
+
+    before = stats()
     client = GenRMClient(timeout_s=60, max_retries=0, connect_timeout_s=60)
     client.submit(requests(256, seed=1, prefix="b"))
-    client.collect()
-    after = {s["worker"]: s for s in (handle.stats.remote().result() for _ in range(20))}
-    assert len(after) == 2, "both replicas answer"
-    judged = sum(after[w]["requests"] - before.get(w, {"requests": 0})["requests"] for w in after)
-    batches = sum(after[w]["batches"] - before.get(w, {"batches": 0})["batches"] for w in after)
-    assert judged == 256 and batches <= 256 / 4, f"{judged} requests in {batches} batches"
+    assert len(client.collect()) == 256
+    after = stats()
+    seen = before.keys() & after.keys()
+    judged = sum(after[w]["requests"] - before[w]["requests"] for w in seen)
+    batches = sum(after[w]["batches"] - before[w]["batches"] for w in seen)
+    assert 0 < judged <= 256 and batches <= judged / 4, f"{judged} requests in {batches} batches"
+    if len(seen) == 2:
+        assert judged == 256
 
 
 def replica_names() -> set[str]:
