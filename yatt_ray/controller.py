@@ -170,7 +170,8 @@ class GroupController:
         if self.layout.is_controller:
             dp = self.layout.dp_rank
             rest = splits["rest"][dp] if splits["rest"] is not None else None
-            self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch)
+            carried = consumed if dp == 0 else []  # the checkpoint's union, kept by one group
+            self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
             self.prompt_stream = self.prompt_feed
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -187,7 +188,8 @@ class GroupController:
             last = self.step(step)
             self._push({**last, **self.checkpoints.metrics()})
             if self.layout.is_controller:
-                self.checkpoints.log_prompts(step, self.attempt, self.prompt_feed.last_ids)
+                feed = self.prompt_feed
+                self.checkpoints.log_prompts(step, self.attempt, feed.last_ids, feed.epoch)
             if self.checkpoints.after_step(step, self):
                 break  # asked to stop: the checkpoint of this step is committed
         final_eval = self.evaluate() if self.checkpoints.stop_reason is None else {}

@@ -3,7 +3,8 @@
 `RunControl` is a small Ray actor started by the driver. The driver (on SIGTERM) or anyone holding the handle
 (a preemption watcher) calls ``request_stop``; the workers poll ``stop_requested`` once per step, save a
 checkpoint and leave cleanly. A worker that fails with the library's own error (bad data, bad config) records
-it, so that a Ray Train restart re-raises it at once instead of rebuilding everything to fail again.
+it; such an error is deterministic (retrying cannot fix it), so the attempt Ray Train starts after it ends at
+once without building anything, and the driver raises the recorded error with its type and message.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ def start_control():
 
 
 def run_guarded(control, train: Callable[[], None]) -> None:
-    """Run `train`; a `YattError` is recorded on `control` so that a restarted attempt re-raises it at once."""
+    """Run `train`; a `YattError` is recorded on `control`, and an attempt that starts after one returns at
+    once (no retry of a deterministic error; the driver raises it)."""
     import ray
 
     from yatt_ray.errors import YattError
 
     fatal = ray.get(control.fatal.remote(), timeout=60) if control is not None else None
     if fatal is not None:
-        raise fatal
+        return
     try:
         train()
     except YattError as exc:

@@ -19,16 +19,20 @@ from dataclasses import dataclass
 import fsspec
 
 from yatt_ray.checkpoint.store import CheckpointStore
-from yatt_ray.checkpoint.training import _NO_RETENTION, rank_url
+from yatt_ray.checkpoint.training import _NO_RETENTION, RUN_ENTRY, rank_url
 from yatt_ray.checkpoint.writer import load
 
 
 @dataclass
 class PromptAudit:
+    """Both directions of exactly-once, from the prompt-id log and the newest checkpoint."""
+
     steps: int  # steps whose prompts survive (one record per step and data-parallel group)
     prompts: int  # prompts trained on by surviving steps
-    duplicated: int  # prompts trained on more than once (in one epoch)
-    lost: int  # prompts the newest checkpoint counts as consumed that no surviving step trained on
+    duplicated: int  # prompts trained on more than once in one epoch
+    lost: int  # prompts the newest checkpoint counts as consumed that no surviving step trained on (skipped)
+    forgotten: int  # prompts trained before the newest checkpoint (same epoch) that it does not count as
+    # consumed: a run continued from it would train them a second time in the epoch
     discarded_steps: int  # step records of attempts that were rolled back (steps redone)
 
 
@@ -41,32 +45,53 @@ def prompt_records(checkpoint_dir: str) -> list[dict]:
     return sorted((json.loads(fs.cat_file(n)) for n in names), key=lambda r: r["t"])
 
 
-def prompt_audit(checkpoint_dir: str) -> PromptAudit:
-    """Which prompts the surviving steps trained on, against the newest checkpoint's consumed set."""
+def surviving_records(records: list[dict]) -> tuple[list[dict], int]:
+    """The records of the attempts that survived (a start that resumed from step b replaces every earlier
+    record after b), and how many step records were rolled back."""
     kept: list[dict] = []
     sessions: set[str] = set()
     discarded = 0
-    for record in prompt_records(checkpoint_dir):
-        if record["session"] not in sessions:  # a new start rolls back everything after its resume step
+    for record in records:
+        if record["session"] not in sessions:
             sessions.add(record["session"])
             stale = [r for r in kept if r["step"] > record["base"]]
             discarded += len({r["step"] for r in stale})
             kept = [r for r in kept if r["step"] <= record["base"]]
         kept.append(record)
-    ids = [i for r in kept for i in r["ids"]]
-    store = CheckpointStore(checkpoint_dir)
-    ref = store.latest_valid()
-    consumed: set = set()
-    if ref is not None:
-        rank0 = CheckpointStore(rank_url(checkpoint_dir, 0), _NO_RETENTION, None)
-        consumed = set(load(rank0, rank0.ref(ref.step), ["run"])["run"]["consumed"])
+    return kept, discarded
+
+
+def prompt_audit(checkpoint_dir: str) -> PromptAudit:
+    """Which prompts the surviving steps trained on, per epoch, against the newest checkpoint's data position."""
+    kept, discarded = surviving_records(prompt_records(checkpoint_dir))
+    per_epoch: dict[int, list] = {}
+    for r in kept:
+        per_epoch.setdefault(int(r.get("epoch", 0)), []).extend(r["ids"])
+    duplicated = sum(len(ids) - len(set(ids)) for ids in per_epoch.values())
+    lost = forgotten = 0
+    position = newest_position(checkpoint_dir)
+    if position is not None:
+        step, epoch, consumed = position
+        before = {i for r in kept if r["step"] <= step and int(r.get("epoch", 0)) == epoch for i in r["ids"]}
+        lost, forgotten = len(consumed - before), len(before - consumed)
     return PromptAudit(
         steps=len({r["step"] for r in kept}),
-        prompts=len(ids),
-        duplicated=len(ids) - len(set(ids)),
-        lost=len(consumed - set(ids)),
+        prompts=sum(len(r["ids"]) for r in kept),
+        duplicated=duplicated,
+        lost=lost,
+        forgotten=forgotten,
         discarded_steps=discarded,
     )
+
+
+def newest_position(checkpoint_dir: str) -> tuple[int, int, set] | None:
+    """(step, epoch, consumed ids) of the newest valid checkpoint, or None."""
+    ref = CheckpointStore(checkpoint_dir).latest_valid()
+    if ref is None:
+        return None
+    rank0 = CheckpointStore(rank_url(checkpoint_dir, 0), _NO_RETENTION, None)
+    run = load(rank0, rank0.ref(ref.step), [RUN_ENTRY])[RUN_ENTRY]
+    return ref.step, int(run["epoch"]), set(run["consumed"])
 
 
 def committed_steps(checkpoint_dir: str) -> list[int]:

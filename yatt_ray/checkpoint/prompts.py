@@ -61,12 +61,16 @@ class PromptFeed:
 
     `rest` (an iterator over the current epoch's unconsumed rows) serves first when given; then `full` serves
     whole epochs. Each ``next()`` returns a numpy batch of `batch_size` rows and records its ids.
+
+    `carried`: ids a resumed checkpoint had already consumed in `epoch` (give them to one group only). They stay
+    part of this epoch's position, so the next checkpoint stores them again beside the new ones: without them a
+    second resume would forget every prompt trained before the first one and train it again in the same epoch.
     """
 
-    def __init__(self, full, rest, batch_size: int, epoch: int = 0) -> None:
+    def __init__(self, full, rest, batch_size: int, epoch: int = 0, carried: list | None = None) -> None:
         self.full, self.rest, self.batch_size = full, rest, batch_size
         self.epoch = epoch
-        self.consumed: list = []  # ids this group trained on in `epoch`
+        self.consumed: list = list(carried or [])  # ids consumed in `epoch` (carried ones included)
         self.last_ids: list = []  # ids of the latest batch
         self._warned_ids = False
         self._batches = self._epochs()

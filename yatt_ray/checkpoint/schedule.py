@@ -100,10 +100,13 @@ class PreemptionFlag:
     Python runs signal handlers only in the main thread, so the flag must be created there (a ValueError from
     `signal.signal` is turned into a `CheckpointError` saying so). A second signal while the flag is already
     set is logged and otherwise ignored: the platform's kill after its grace period still ends the process.
+    A second signal listed in `abort_on_repeat` (Ctrl-C's SIGINT, say) raises `KeyboardInterrupt` instead:
+    the user asked to stop now.
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)):
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM,), abort_on_repeat: Iterable[int] = ()):
         self.signals = tuple(signals)
+        self.abort_on_repeat = frozenset(abort_on_repeat)
         if not self.signals:
             raise CheckpointError("PreemptionFlag needs at least one signal, e.g. (signal.SIGTERM,)")
         self._event = threading.Event()
@@ -123,12 +126,16 @@ class PreemptionFlag:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if self._event.is_set() and signum in self.abort_on_repeat:
+            logger.warning("%s received again: aborting now, without waiting for the checkpoint", name)
+            raise KeyboardInterrupt
         if self._event.is_set():
             logger.warning("%s received again; the checkpoint-and-exit already requested is under way", name)
             return
         self.received = signum
         self._event.set()
-        logger.warning("%s received: finishing this step, saving a checkpoint, then exiting", name)
+        again = " (again to abort at once)" if signum in self.abort_on_repeat else ""
+        logger.warning("%s received: finishing this step, saving a checkpoint, then exiting%s", name, again)
 
     @property
     def requested(self) -> bool:

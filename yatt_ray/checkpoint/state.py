@@ -27,12 +27,14 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a training step draws from, as plain objects and CPU tensors."""
+    """Every RNG a training step draws from, as tensors and plain containers (no other pickled objects)."""
     from megatron.core import tensor_parallel
 
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # a tensor, not an ndarray: checkpoints are read with torch.load(weights_only=True)
+        "numpy": (name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss),
         "torch": torch.get_rng_state(),
         "megatron": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -46,7 +48,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
     if "cuda" in state and torch.cuda.is_available():

@@ -3,7 +3,7 @@
 Layout under `checkpoint.dir` (any fsspec URL)::
 
     step_00000040/manifest.json           the run's commit marker for step 40 (no files; layout in metadata)
-    ranks/rank_00000/step_00000040/...    rank 0's files: rng.pt, policy.pt (+ critic.pt), run.pt
+    ranks/rank_00000/step_00000040/...    rank 0's files: rng.pt, policy.pt (+ critic.pt), run.json
     ranks/rank_00001/step_00000040/...    rank 1's files: rng.pt (+ its tensor-parallel shard when DP rank 0)
     hf/step_00000040/                     a Hugging Face export of the policy (at the chosen steps)
     prompt_ids/                           per-step prompt ids (only with checkpoint.log_prompt_ids)
@@ -37,7 +37,8 @@ from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
 
 log = logging.getLogger("yatt_ray.checkpoint")
 
-RUN_FORMAT = "yatt_ray.run/1"
+RUN_FORMAT = "yatt_ray.run/2"  # /2: run state as JSON (run.json), tensors read with weights_only=True
+RUN_ENTRY = "run.json"  # step, epoch, consumed prompt ids, metrics history, KL coefficient
 _NO_RETENTION = 2**31 - 1  # rank stores keep everything; rank 0 prunes them after the run's retention
 _STEP_RE = re.compile(r"step_(\d{8,})/?$")
 
@@ -91,7 +92,7 @@ class TrainingCheckpoints:
         choice: Any = None
         if self.layout.rank == 0:
             try:
-                choice = self._choose()
+                choice = choose_resume(self.cfg)
             except Exception as exc:  # every rank raises it, none waits forever
                 choice = exc
         box = [choice]
@@ -109,40 +110,6 @@ class TrainingCheckpoints:
         self.agreed = self.last_saved = self.agreed_at_start = step
         log.warning("resumed from checkpoint step %d in %s", step, root)
         return resumed
-
-    def _choose(self) -> tuple[str, int, dict] | None:
-        """Rank 0: (root URL, step, run metadata) of the checkpoint to resume from, or None."""
-        mode = self.cfg.resume
-        if mode == "never":
-            if self.store.list_committed():
-                raise CheckpointError(
-                    f"checkpoint.dir={self.cfg.dir!r} already holds checkpoints {self.store.list_committed()} "
-                    "but checkpoint.resume=never: use a new checkpoint.dir, or checkpoint.resume=auto to continue"
-                )
-            return None
-        root, only = (self.cfg.dir, None) if mode == "auto" else _split_step(mode)
-        source = CheckpointStore(root, storage_options=dict(self.cfg.storage_options))
-        steps = source.list_committed()
-        if only is not None:
-            steps = [s for s in steps if s == only]
-        if mode != "auto" and not steps:
-            raise CheckpointError(
-                f"checkpoint.resume={mode!r} holds no committed checkpoint; give a checkpoint.dir of an earlier "
-                "run (or one of its step_XXXXXXXX folders), or use checkpoint.resume=auto"
-            )
-        for step in reversed(steps):
-            problem, meta = _verify_run_step(source, root, step, self.cfg.storage_options)
-            if problem is None:
-                return root, step, meta
-            log.warning(
-                "checkpoint step %d in %s is damaged (%s); falling back to an older checkpoint",
-                step,
-                root,
-                problem,
-            )
-        if steps:
-            raise CheckpointError(f"no valid checkpoint in {root!r}: every one of steps {steps} is damaged")
-        return None
 
     def _check_layout(self, meta: dict, root: str, step: int) -> None:
         tp, dp = self.layout.tp_size, self.layout.dp_size
@@ -174,7 +141,7 @@ class TrainingCheckpoints:
         load_trainer_state(ctrl.policy, state["policy"])
         if ctrl.critic is not None:
             load_trainer_state(ctrl.critic, state["critic"])
-        run = entries(0, ["run"])["run"]
+        run = entries(0, [RUN_ENTRY])[RUN_ENTRY]
         ctrl.kl_ctl.value = float(run["kl"])
         ctrl.sync_weights()  # the rollout engine generates with the restored policy
         if self.layout.rank < meta["world_size"]:
@@ -361,7 +328,7 @@ class TrainingCheckpoints:
         if self.layout.rank == 0:
             assert gathered is not None and feed is not None
             consumed = sorted({i for part in gathered for i in part})
-            payload["run"] = {
+            payload[RUN_ENTRY] = {
                 "step": step,
                 "epoch": feed.epoch,
                 "consumed": consumed,
@@ -397,7 +364,7 @@ class TrainingCheckpoints:
             return None
 
     # ---- prompt audit log ----------------------------------------------------------------------------------
-    def log_prompts(self, step: int, attempt: int, ids: list) -> None:
+    def log_prompts(self, step: int, attempt: int, ids: list, epoch: int) -> None:
         """With `checkpoint.log_prompt_ids`: this controller's prompt ids of `step` as one small JSON file."""
         if not self.cfg.log_prompt_ids:
             return
@@ -408,6 +375,7 @@ class TrainingCheckpoints:
             "attempt": attempt,
             "session": self.session,
             "base": self.agreed_at_start,
+            "epoch": epoch,
             "ids": ids,
             "t": time.time(),
         }
@@ -417,6 +385,53 @@ class TrainingCheckpoints:
             self.store.fs.pipe_file(f"{folder}/{name}", json.dumps(record).encode())
         except Exception as exc:
             log.error("could not write the prompt-id log of step %d (%r)", step, exc)
+
+
+def choose_resume(cfg) -> tuple[str, int, dict] | None:
+    """(root URL, step, run metadata) of the checkpoint that `cfg` (the `checkpoint` section) resumes from, or
+    None for a fresh start. Every file of the chosen step passes its sha256 check; a damaged step is skipped
+    with a warning. Runs on the driver before any cluster work, and on rank 0 at each (re)start."""
+    mode = cfg.resume
+    if mode == "never":
+        existing = CheckpointStore(cfg.dir, storage_options=dict(cfg.storage_options)).list_committed()
+        if existing:
+            raise CheckpointError(
+                f"checkpoint.dir={cfg.dir!r} already holds checkpoints {existing} but checkpoint.resume=never: "
+                "use a new checkpoint.dir, or checkpoint.resume=auto to continue"
+            )
+        return None
+    root, only = (cfg.dir, None) if mode == "auto" else _split_step(mode)
+    source = CheckpointStore(root, storage_options=dict(cfg.storage_options))
+    steps = source.list_committed()
+    if only is not None:
+        steps = [s for s in steps if s == only]
+    if mode != "auto" and not steps:
+        raise CheckpointError(
+            f"checkpoint.resume={mode!r} holds no committed checkpoint; give a checkpoint.dir of an earlier "
+            "run (or one of its step_XXXXXXXX folders), or use checkpoint.resume=auto"
+        )
+    for step in reversed(steps):
+        problem, meta = _verify_run_step(source, root, step, cfg.storage_options)
+        if problem is None:
+            return root, step, meta
+        log.warning(
+            "checkpoint step %d in %s is damaged (%s); falling back to an older checkpoint",
+            step,
+            root,
+            problem,
+        )
+    if steps:
+        raise CheckpointError(
+            f"no valid checkpoint in {root!r}: every one of steps {steps} is damaged (see the warnings above); "
+            "resume from another folder, or start afresh with a new checkpoint.dir"
+        )
+    return None
+
+
+def read_run_state(cfg, root: str, step: int) -> dict[str, Any]:
+    """The run state (step, epoch, consumed ids, history, KL) of checkpoint `step` under `root`."""
+    store = CheckpointStore(rank_url(root, 0), _NO_RETENTION, None, dict(cfg.storage_options))
+    return load(store, store.ref(step), names=[RUN_ENTRY])[RUN_ENTRY]
 
 
 def _split_step(url: str) -> tuple[str, int | None]:
@@ -435,6 +450,11 @@ def _verify_run_step(source: CheckpointStore, root: str, step: int, opts: dict) 
         return str(exc), {}
     meta = ref.manifest.metadata
     if meta.get("format") != RUN_FORMAT:
+        if str(meta.get("format", "")).startswith("yatt_ray.run/"):
+            return (
+                f"written in format {meta['format']!r}, this yatt_ray reads {RUN_FORMAT!r} (older checkpoints "
+                "held pickled run state); continue it with the yatt_ray that wrote it, or start afresh"
+            ), {}
         return f"not a yatt_ray run checkpoint (metadata {meta})", {}
     for rank in range(int(meta["world_size"])):
         store = CheckpointStore(rank_url(root, rank), _NO_RETENTION, None, dict(opts))

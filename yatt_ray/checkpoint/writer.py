@@ -19,9 +19,13 @@ A failure in the background write never reaches the caller's thread: it is store
 (``handle.error``), logged, and counted (``writer.failures``). The previous checkpoint stays the newest one,
 because the failed write never gets a manifest.
 
-Loading (`load`) uses ``torch.load(weights_only=False)``: the files are our own, written by `torch.save` from
-this module, so unpickling them is no more trusting than running the training code. Do not point `load` at a
-store that others can write to.
+Entries whose key ends in ``.json`` (run state: step, epoch, data position, history) are written as JSON;
+every other entry as ``<key>.pt`` with `torch.save`. Loading (`load`) never unpickles arbitrary objects:
+``.pt`` files go through ``torch.load(weights_only=True)``, which admits only tensors and plain containers
+(dict, list, tuple, str, int, float, bool, None), so a checkpoint folder written by someone else cannot run
+code on `checkpoint.resume=<folder>`; a file holding any other pickled object is refused with a
+`CheckpointError`. Keep payloads to those types (`checkpoint.state.rng_state` turns numpy's RNG state into a
+tensor for this reason).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import json
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -50,14 +56,16 @@ from yatt_ray.checkpoint.store import (
 logger = logging.getLogger("yatt_ray.checkpoint")
 
 ENTRY_SUFFIX = ".pt"
+JSON_SUFFIX = ".json"
 
 
 def entry_file_name(key: str) -> str:
-    """The file a payload entry is stored in: ``<key>.pt``. Raises `CheckpointError` on a bad key."""
+    """The file a payload entry is stored in: ``<key>`` for a ``*.json`` key, else ``<key>.pt``. Raises
+    `CheckpointError` on a bad key."""
     if not isinstance(key, str):
         raise CheckpointError(f"checkpoint payload keys must be strings, got {key!r}")
     try:
-        return validate_file_name(key + ENTRY_SUFFIX)
+        return validate_file_name(key if key.endswith(JSON_SUFFIX) else key + ENTRY_SUFFIX)
     except CheckpointError as exc:
         raise CheckpointError(
             f"checkpoint payload key {key!r} cannot be a file name: use letters, digits, '_', '-' and '.', "
@@ -246,8 +254,15 @@ class AsyncCheckpointWriter:
                 f"checkpoint payload must be a non-empty dict of name -> state, got {type(payload).__name__} "
                 f"{payload!r:.80}"
             )
-        for key in payload:
+        for key, value in payload.items():
             entry_file_name(key)
+            if key.endswith(JSON_SUFFIX):
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError) as exc:
+                    raise CheckpointError(
+                        f"checkpoint entry {key!r} is not JSON-serialisable: {exc}"
+                    ) from exc
         meta = dict(metadata or {})
         check_json_metadata(meta)
         return meta
@@ -321,7 +336,12 @@ class AsyncCheckpointWriter:
     def _write_entries(self, pending: PendingCheckpoint, state: dict[str, Any], handle: SaveHandle) -> None:
         for key, value in state.items():
             with pending.open(entry_file_name(key)) as f:
-                torch.save(value, cast(IO[bytes], f))  # write-only, not seekable: torch.save needs no more
+                if key.endswith(JSON_SUFFIX):
+                    f.write(json.dumps(value).encode())
+                else:
+                    torch.save(
+                        value, cast(IO[bytes], f)
+                    )  # write-only, not seekable: torch.save needs no more
             handle.bytes_written += pending.files[entry_file_name(key)].size
 
     def _retain(self, handle: SaveHandle) -> None:
@@ -420,10 +440,11 @@ def load(
 ) -> dict[str, Any]:
     """The payload saved as checkpoint `ref`: ``{entry: object}``, each file checked against its sha256.
 
-    `names` picks entries (default: all). Uses ``torch.load(weights_only=False)``, acceptable because the
-    files are this library's own `torch.save` output (see the module docstring).
+    `names` picks entries (default: all). ``*.json`` entries are parsed as JSON, the others read with
+    ``torch.load(weights_only=True)``: a file holding a pickled object of another type is refused
+    (`CheckpointError`), never executed.
     """
-    available = [f.name[: -len(ENTRY_SUFFIX)] for f in ref.manifest.files if f.name.endswith(ENTRY_SUFFIX)]
+    available = [_entry_key(f.name) for f in ref.manifest.files if _entry_key(f.name)]
     wanted = available if names is None else list(names)
     missing = [n for n in wanted if n not in available]
     if missing:
@@ -439,5 +460,29 @@ def load(
                 f"checkpoint step {ref.step} file {fname!r} fails its sha256 check: it was damaged after the "
                 "write; resume from `store.latest_valid()`, which skips damaged checkpoints"
             )
-        out[key] = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+        out[key] = _decode(data, fname, ref, map_location)
     return out
+
+
+def _entry_key(file_name: str) -> str:
+    """The payload key of a checkpoint file ("" for files that are not payload entries)."""
+    if file_name.endswith(JSON_SUFFIX):
+        return file_name
+    return file_name[: -len(ENTRY_SUFFIX)] if file_name.endswith(ENTRY_SUFFIX) else ""
+
+
+def _decode(data: bytes, fname: str, ref: CheckpointRef, map_location: Any) -> Any:
+    where = f"checkpoint step {ref.step} file {fname!r} in {ref.path}"
+    if fname.endswith(JSON_SUFFIX):
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise CheckpointError(f"{where} is not valid JSON ({exc})") from exc
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{where} holds a pickled object that is not a tensor or a plain container, so it was refused "
+            f"unread (loading it could run code). yatt_ray writes no such files: the folder was written by "
+            f"something else or tampered with; resume from a checkpoint you trust. Detail: {exc}"
+        ) from exc
