@@ -8,7 +8,15 @@
 """
 
 from yatt_ray.config import Config, load_config
-from yatt_ray.errors import ConfigError, DataError, PlacementError, UnknownNameError, WorkerError, YattError
+from yatt_ray.errors import (
+    ConfigError,
+    DataError,
+    PlacementError,
+    RewardError,
+    UnknownNameError,
+    WorkerError,
+    YattError,
+)
 from yatt_ray.fit import Result, fit
 
 __all__ = [
@@ -17,6 +25,7 @@ __all__ = [
     "DataError",
     "PlacementError",
     "Result",
+    "RewardError",
     "UnknownNameError",
     "WorkerError",
     "YattError",

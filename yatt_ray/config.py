@@ -8,6 +8,7 @@ error names the key, the bad value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -32,7 +33,9 @@ class DataConfig:
     """Prompt data: parquet or jsonl files (local paths, globs or fsspec URLs); empty generates the demo task."""
 
     train_files: list[str] = field(default_factory=list)
-    eval_files: list[str] = field(default_factory=list)  # greedy accuracy at the start and the end
+    # greedy accuracy at the start and the end; None: the demo's eval set in the demo, none with your own
+    # data; [] = no evaluation
+    eval_files: list[str] | None = None
     prompt_key: str = "prompt"
     answer_key: str = "ground_truth"
     source_key: str = "data_source"
@@ -87,10 +90,13 @@ class GenRMConfig:
 class RewardConfig:
     """How responses are scored: `mode` rule (the rule function), genrm (the judge) or mix
     (`(1 - genrm_weight) * rule + genrm_weight * genrm`). `function` is a built-in rule name or a user
-    function as `package.module:function` (sync or async)."""
+    function as `package.module:function` (sync or async). `on_error`: when the function raises on a sample,
+    raise (stop the run with a RewardError naming the sample) or zero (reward 0, counted in `reward/errors`);
+    a return that is not a finite number always raises."""
 
     mode: str = "rule"
     function: str = "exact_match"
+    on_error: str = "raise"  # raise | zero
     genrm_weight: float = 0.5
     genrm: GenRMConfig = field(default_factory=GenRMConfig)
 
@@ -179,6 +185,9 @@ class ClusterConfig:
     cpus_per_worker: int = 1
     use_gpu: bool | None = None
     timeout_s: float = 600.0
+    # how Ray Train places the training workers over the nodes: PACK (as few nodes as possible) or SPREAD (as
+    # many as possible); checked in placement.plan_placement
+    placement_strategy: str = "PACK"
 
 
 @dataclass
@@ -260,16 +269,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(
                 f"config file {str(path)!r} does not exist; pass an existing YAML file (see examples/configs/)"
             )
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(_yaml_error_message(f"config file {str(path)!r}", exc)) from exc
         if not isinstance(data, dict):
             raise ConfigError(
                 f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}"
             )
     for item in overrides or []:
-        apply_override(data, item)
+        try:
+            apply_override(data, item)
+        except yaml.YAMLError as exc:
+            raise ConfigError(_yaml_error_message(f"override {item!r}", exc)) from exc
     config = Config.from_dict(data)
     validate(config)
     return config
+
+
+def _yaml_error_message(where: str, exc: yaml.YAMLError) -> str:
+    """'<where> is not valid YAML: <problem> at line L, column C (...)', lines and columns 1-based."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    detail = f" ({context})" if context else ""
+    return (
+        f"{where} is not valid YAML: {problem}{at}{detail}; fix the syntax there (check the indentation, "
+        "the colons after keys and that quotes and brackets are closed)"
+    )
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -340,7 +368,7 @@ def validate(config: Config) -> None:
     from yatt_ray.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
     from yatt_ray.reward import resolve_reward_fn
 
-    errors: list[str] = []
+    errors: list[str] = _non_finite_errors(config)
 
     def need(cond: bool, message: str) -> None:
         if not cond:
@@ -348,10 +376,10 @@ def validate(config: Config) -> None:
 
     t, r, a = config.train, config.rollout, config.algo
     need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
-    need(t.dp_size >= 1, f"train.dp_size={t.dp_size} must be >= 1")
+    need(t.dp_size >= 1, f"train.dp_size={t.dp_size} must be >= 1 (the number of data-parallel groups)")
     need(t.tp_size >= 1, f"train.tp_size={t.tp_size} must be >= 1")
     need(
-        t.prompts_per_step >= t.dp_size and t.prompts_per_step % t.dp_size == 0,
+        t.dp_size < 1 or (t.prompts_per_step >= t.dp_size and t.prompts_per_step % t.dp_size == 0),
         f"train.prompts_per_step={t.prompts_per_step} must be a positive multiple of train.dp_size={t.dp_size} "
         "(each data-parallel group takes the same number of prompts)",
     )
@@ -471,11 +499,31 @@ def validate(config: Config) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
+def _non_finite_errors(node: Any, prefix: str = "") -> list[str]:
+    """Every float field of the config tree that is inf or nan (no key takes those: null turns options off)."""
+    errors = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            errors += _non_finite_errors(value, prefix + f.name + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            errors.append(
+                f"{prefix}{f.name}={value} must be a finite number; give a real value (or null where the key "
+                "allows it, to turn the option off)"
+            )
+    return errors
+
+
 def _validate_reward(config: Config, need: Callable[[bool, str], None]) -> None:
     from yatt_ray.reward.genrm import resolve_parser, resolve_template
 
     rw, g, p = config.reward, config.reward.genrm, config.placement
     need(rw.mode in ("rule", "genrm", "mix"), f"reward.mode={rw.mode!r} is unknown; valid: genrm, mix, rule")
+    need(
+        rw.on_error in ("raise", "zero"),
+        f"reward.on_error={rw.on_error!r} is unknown; valid: raise (stop on a sample the reward function fails "
+        "on), zero (score it 0 and count it in reward/errors)",
+    )
     need(0 <= rw.genrm_weight <= 1, f"reward.genrm_weight={rw.genrm_weight} must be in [0, 1]")
     need(p.mode in ("full", "partial"), f"placement.mode={p.mode!r} is unknown; valid: full, partial")
     need(0 < p.genrm_share < 1, f"placement.genrm_share={p.genrm_share} must be in (0, 1)")

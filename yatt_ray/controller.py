@@ -33,6 +33,7 @@ from yatt_ray.batch import pack
 from yatt_ray.config import Config
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
+from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
 from yatt_ray.rollout.base import SamplingSpec
 from yatt_ray.step import StepInputs, compute_advantages, policy_loss_fn, reduce_metrics, value_loss_fn
@@ -419,10 +420,13 @@ class GroupController:
             for rows in self.eval_shard.iter_batches(batch_size=256, batch_format="numpy"):
                 prompts = [self._clip_prompt(self.tokenizer(str(p))["input_ids"]) for p in rows["prompt"]]
                 outs = self.engine.generate(prompts, spec)
-                for group, gt, src in zip(outs, rows["ground_truth"], rows["data_source"]):
-                    text = self._decode(group[0].token_ids)
-                    r = self.reward_fn(text, str(gt), str(src))
-                    sums += torch.tensor([r, float(r >= 1.0), 1.0], dtype=torch.float64)
+                items = [
+                    (self._decode(group[0].token_ids), str(gt), str(src))
+                    for group, gt, src in zip(outs, rows["ground_truth"], rows["data_source"])
+                ]
+                r = self.config.reward
+                for reward in score_with_rule(self.reward_fn, items, r.function, r.on_error):
+                    sums += torch.tensor([reward, float(reward >= 1.0), 1.0], dtype=torch.float64)
             self.engine.sleep()
         if self.offload:
             self._move_trainers("onload")

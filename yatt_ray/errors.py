@@ -33,5 +33,10 @@ class PlacementError(YattError):
     """The requested workers or roles cannot be placed on the cluster's resources."""
 
 
+class RewardError(YattError):
+    """The reward function failed on a sample or returned something that is not a finite number: the message
+    names `reward.function`, the sample (data source, ground truth, start of the response) and the error."""
+
+
 class WorkerError(YattError):
     """A training or rollout worker failed; the message carries the worker's rank and the original error."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from yatt_ray.cluster import connect
 from yatt_ray.config import Config, apply_override, load_config, validate
 from yatt_ray.errors import ConfigError, WorkerError, YattError
 
@@ -32,7 +33,7 @@ class Result:
     output_dir: str = ""
     checkpoint_dir: str = ""  # the run's checkpoints (`checkpoint.dir`)
     steps_redone: int = 0  # training steps run again after restarts from a checkpoint
-    stopped: str | None = None  # why the run saved and stopped before train.steps ("SIGTERM"), else None
+    stopped: str | None = None  # why the run saved and stopped before train.steps ("SIGTERM", "SIGINT"), else None
 
     def metric(self, key: str) -> list[float]:
         """The values of `key` over the training steps (rows that carry it), in step order."""
@@ -44,7 +45,9 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     config = _resolve_config(config, overrides)
     _prepare_inputs(config)
     files = _check_inputs(config)
-    _connect(config)
+    output_dir = _output_dir(config)
+    print(_check_checkpoints(config, output_dir), flush=True)
+    connect(config)
     import ray
 
     from yatt_ray.placement import plan_placement
@@ -53,7 +56,7 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     real_gpus = _gpus_are_real(plan, config.cluster.timeout_s)
     _resolve_engine(config, real_gpus)
     print(plan.describe() + f"\n  rollout engine: {config.rollout.engine}", flush=True)
-    return _run(config, plan, files, real_gpus)
+    return _run(config, plan, files, real_gpus, output_dir)
 
 
 def _resolve_config(config: Config | dict | str | Path | None, overrides: list[str] | None) -> Config:
@@ -93,6 +96,8 @@ def _prepare_inputs(config: Config) -> None:
 def _check_inputs(config: Config) -> dict[str, list[str]]:
     """Fail before any cluster work on a bad model directory or data files."""
     from yatt_ray.data import check_sources
+    from yatt_ray.data.sources import first_row
+    from yatt_ray.reward.rules import check_reward_fn, resolve_reward_fn
     from yatt_ray.train.hf_convert import LlamaShape, check_tp_size
 
     shape = LlamaShape.from_hf_dir(config.model.path)
@@ -113,7 +118,11 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} exceeds the model's "
             f"max_position_embeddings ({shape.max_positions}); lower one of them"
         )
-    files = {"train": check_sources(config.data)}
+    files = {"train": check_sources(config.data, min_rows=config.train.prompts_per_step)}
+    if config.reward.mode != "genrm" or config.reward.genrm.on_parse_error == "rule":  # the rule is used
+        _, truth, source = first_row(config.data, files["train"])
+        fn = resolve_reward_fn(config.reward.function)
+        check_reward_fn(fn, config.reward.function, truth, source, config.reward.on_error)
     if config.data.eval_files:
         files["eval"] = check_sources(config.data, key="data.eval_files")
     return files
@@ -192,34 +201,25 @@ def _resolve_engine(config: Config, on_gpu: bool) -> None:
     config.rollout.engine = resolve_engine_kind("auto", config.model.path, on_gpu=on_gpu)
 
 
-def _connect(config: Config) -> None:
-    """Join `cluster.address` (or RAY_ADDRESS, as under `ray job submit`), else start a local cluster."""
+def _check_checkpoints(config: Config, output_dir: Path) -> str:
+    """Where checkpoints go, checked before any cluster work: the store takes a write and the checkpoint to
+    resume from verifies (`checkpoint.driver.check_checkpoints`)."""
+    from yatt_ray.checkpoint.driver import check_checkpoints, resolve_checkpoint_dir
+
+    resolve_checkpoint_dir(config, output_dir)
+    return check_checkpoints(config, timeout_s=min(60.0, config.cluster.timeout_s))
+
+
+def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, output_dir: Path) -> Result:
+    """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     import ray
 
-    if ray.is_initialized():
-        return
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return
-    # A local cluster: declare enough logical CPUs for the workers plus data tasks, even on a 2-core laptop,
-    # but no more than 4 per core, so an oversized plan fails the placement check instead of thrashing.
-    cores = os.cpu_count() or 1
-    needed = config.train.dp_size * config.train.tp_size * config.cluster.cpus_per_worker + 2
-    # The dashboard stays on (127.0.0.1 only): Ray Train's placement-group cleaner queries it.
-    ray.init(num_cpus=max(cores, min(needed, 4 * cores)))
-
-
-def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> Result:
-    """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     from yatt_ray.checkpoint.control import start_control
-    from yatt_ray.checkpoint.driver import StopOnSignal, one_curve, resolve_checkpoint_dir
+    from yatt_ray.checkpoint.driver import StopOnSignal, abort_training, one_curve
     from yatt_ray.metrics.hub import start_hub
     from yatt_ray.progress import DriverProgress
     from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
-    output_dir = _output_dir(config)
-    resolve_checkpoint_dir(config, output_dir)
     hub, control = start_hub(), start_control()
     trainer = _trainer(config, plan, files, real_gpus, output_dir, {"hub": hub, "control": control})
     progress = DriverProgress(hub, config, output_dir)
@@ -238,12 +238,18 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool) -> 
             signals.poll()
             time.sleep(0.5)
         progress.poll()
+    except KeyboardInterrupt:  # a second Ctrl-C: stop the workers too, then let it through
+        abort_training()
+        raise
     finally:
         signals.close()
         if plan.genrm is not None:
             shutdown_genrm()
         redone = one_curve(progress, output_dir)
         progress.close()  # metrics so far are flushed and plotted even when the run fails
+    fatal = ray.get(control.fatal.remote(), timeout=config.cluster.timeout_s)
+    if fatal is not None:  # a deterministic error in a worker: raised once, with its type, never retried
+        raise type(fatal)(f"{fatal} (raised in a training worker)")
     if "error" in outcome:
         raise _worker_error(outcome["error"]) from outcome["error"]
     checkpoint = outcome["result"].checkpoint
@@ -288,6 +294,7 @@ def _trainer(
             num_workers=plan.num_workers,
             use_gpu=plan.uses_gpus,
             resources_per_worker=plan.trainer_resources(),
+            placement_strategy=config.cluster.placement_strategy,  # PACK or SPREAD over the nodes
         ),
         run_config=RunConfig(
             name="train",
@@ -321,12 +328,23 @@ def _fit_into(trainer, outcome: dict) -> None:
 
 
 def _worker_error(exc: BaseException) -> YattError:
-    """The library's own error raised in a worker (bad data, bad config) keeps its type on the driver."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, YattError):
-            return type(seen)(f"{seen} (raised in a training worker)")
-        seen = seen.__cause__ or seen.__context__
+    """The library's own error raised in a worker (bad data, bad config) keeps its type on the driver.
+
+    Ray Train wraps a worker's exception: `WorkerGroupError.worker_failures` maps ranks to it, inside a
+    `UserExceptionWithTraceback` (`_base_exc`) or a `RayTaskError` (`cause`); causes chain as usual."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, YattError):
+            return type(e)(f"{e} (raised in a training worker)")
+        failures = getattr(e, "worker_failures", None)
+        inner = [*(failures.values() if isinstance(failures, dict) else [])]
+        inner += [getattr(e, "_base_exc", None), getattr(e, "cause", None), e.__cause__, e.__context__]
+        todo += [x for x in inner if isinstance(x, BaseException)]
     return WorkerError(f"training failed in a worker: {exc}")
 
 

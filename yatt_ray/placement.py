@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from yatt_ray.config import Config
-from yatt_ray.errors import PlacementError
+from yatt_ray.errors import ConfigError, PlacementError
 
 DATA_CPUS = 1  # kept free for Ray Data's read tasks; without one the prompt streams would stall
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD")  # `cluster.placement_strategy`, passed to Ray Train's ScalingConfig
 GIB = 2**30
 
 
@@ -106,7 +107,8 @@ class PlacementPlan:
                 f"the plan needs {self.cpus_needed()} CPUs ({self.num_workers} workers x {self.cpus_per_worker}"
                 + (f" + GenRM {self.genrm.max_replicas} x {self.genrm.cpus}" if self.genrm else "")
                 + f" + {DATA_CPUS} for data) but the cluster has {have_cpu:g}. Lower train.dp_size / "
-                "train.tp_size or cluster.cpus_per_worker, or add nodes."
+                "train.tp_size or cluster.cpus_per_worker, or add nodes; for a demo on a small machine, logical CPUs "
+                f"may exceed the cores: `ray start --head --num-cpus={self.cpus_needed()}`."
             )
         need = self.accelerators_needed()
         if have_gpu >= need:
@@ -139,6 +141,12 @@ def plan_placement(
 ) -> PlacementPlan:
     """The plan for `config` on a cluster with `cluster` total resources, checked (resources, divisibility,
     and memory when `placement.gpu_memory_gb` and `sizes` are given)."""
+    if config.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(
+            f"cluster.placement_strategy={config.cluster.placement_strategy!r} is not one of "
+            f"{list(PLACEMENT_STRATEGIES)}: PACK puts the training workers on as few nodes as possible, SPREAD "
+            "on as many as possible"
+        )
     use_gpu = config.cluster.use_gpu
     if use_gpu is None:
         use_gpu = cluster.get("GPU", 0.0) >= 1

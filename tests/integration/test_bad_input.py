@@ -67,3 +67,23 @@ def test_partial_coexistence_without_accelerators_for_the_judge(tmp_path, ray_cl
         yatt_ray.fit(config(tmp_path, "train.dp_size=2", "train.prompts_per_step=2", *over))
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert not [n for n in names if "yatt-genrm" in n], names
+
+
+def test_a_reward_that_raises_mid_run_stops_once_with_its_type(tmp_path, ray_cluster, demo_cache):
+    """The driver's dry call passes; the 20th call in the worker raises (step 2). The run stops with a
+    RewardError naming reward.function and the sample, and no restarted attempt runs into it again."""
+    model = build_tiny_model(tmp_path / "model")
+    raised = tmp_path / "raised.log"
+    rows = [
+        {"id": i, "prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": str(raised)}
+        for i in range(64)
+    ]
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    fn = "tests.reward.rule_fns:fails_on_the_twentieth_call"
+    over = (f"model.path={model}", f"data.train_files=[{data}]", "train.dp_size=1", "train.prompts_per_step=8",
+            "rollout.n=2", "train.steps=4", f"reward.function={fn}", "output.progress=false")  # fmt: skip
+    with pytest.raises(yatt_ray.RewardError, match=rf"reward.function={fn!r}.*ZeroDivisionError") as info:
+        yatt_ray.fit(config(tmp_path, *over))
+    assert "raised in a training worker" in str(info.value)
+    assert raised.read_text().count("raised") == 1  # the attempt after it did not train into it again

@@ -51,7 +51,7 @@ def train_steps(result) -> list[int]:
 def assert_each_prompt_once(ckpt_dir: str, steps: int) -> None:
     audit = prompt_audit(ckpt_dir)
     assert audit.steps == steps and audit.prompts == steps * PROMPTS, audit
-    assert audit.duplicated == 0 and audit.lost == 0, audit
+    assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,31 @@ def test_sigterm_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache,
     second = short_run(ckpt, tmp_path, 8)
     assert second.metric("checkpoint/resumed_from") == [float(stopped_at)]
     assert train_steps(second) == list(range(1, 9))
+    assert_each_prompt_once(ckpt, 8)
+
+
+def test_a_chain_of_resumes_on_changing_worker_counts_trains_each_prompt_once(ray_cluster, demo_cache, tmp_path):
+    """2 steps on 2 workers, resumed to 4 on 1 worker, resumed again to 6 on 2: the newest checkpoint still
+    counts every prompt of steps 1-6 as consumed (a resume used to forget the ones before it)."""
+    ckpt = str(tmp_path / "ckpt")
+    short_run(ckpt, tmp_path, 2)
+    short_run(ckpt, tmp_path, 4, "train.dp_size=1")
+    third = short_run(ckpt, tmp_path, 6)
+    assert third.metric("checkpoint/resumed_from") == [4.0] and train_steps(third) == list(range(1, 7))
+    assert_each_prompt_once(ckpt, 6)
+
+
+def test_ctrl_c_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache, tmp_path):
+    """Ctrl-C (SIGINT) in the driver, as a notebook's interrupt sends it: no traceback, a checkpoint of the
+    step it stopped at, and `fit()` again continues from there."""
+    ckpt = str(tmp_path / "ckpt")
+    when(lambda: bool(committed_steps(ckpt)), lambda: os.kill(os.getpid(), signal.SIGINT))
+    first = short_run(ckpt, tmp_path, 8)
+    assert first.stopped == "SIGINT"
+    stopped_at = train_steps(first)[-1]
+    assert stopped_at < 8 and committed_steps(ckpt)[-1] == stopped_at
+    second = short_run(ckpt, tmp_path, 8)
+    assert second.metric("checkpoint/resumed_from") == [float(stopped_at)]
     assert_each_prompt_once(ckpt, 8)
 
 

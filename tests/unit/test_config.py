@@ -84,3 +84,62 @@ def test_fit_resolves_a_copy_and_leaves_the_callers_config_alone():
     resolved = _resolve_config(mine, ["train.steps=3"])
     resolved.model.path = "/somewhere"
     assert resolved.train.steps == 3 and mine.train.steps == 80 and mine.model.path == ""
+
+
+def test_zero_data_parallel_groups_is_a_config_error_not_a_division():
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, ["train.dp_size=0"])
+    assert "train.dp_size=0 must be >= 1" in str(info.value)
+
+
+def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: 3\n lr: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"config file {str(path)!r} is not valid YAML" in message
+    assert "at line 3, column 2" in message and "expected <block end>" in message
+
+
+def test_yaml_syntax_error_in_an_override():
+    with pytest.raises(ConfigError, match=r"override 'data.train_files=\[a' is not valid YAML: .* line 1"):
+        load_config(EXAMPLE, ["data.train_files=[a"])
+
+
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        ("algo.kl_coef=.inf", "algo.kl_coef=inf"),
+        ("algo.kl_coef=nan", "algo.kl_coef=nan"),
+        ("algo.kl_coef=.nan", "algo.kl_coef=nan"),
+        ("train.lr=-.inf", "train.lr=-inf"),
+        ("reward.genrm.timeout_s=.inf", "reward.genrm.timeout_s=inf"),
+        ("algo.tis_cap=.inf", "algo.tis_cap=inf"),  # optional floats too
+    ],
+)
+def test_non_finite_floats_are_rejected(override, shown):
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, [override])
+    assert f"{shown} must be a finite number" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("template", "fragment"),
+    [
+        ("Grade {prompt} against {ground_truth}", "has no {response} field, so the judge would never see"),
+        ("Grade the answer", "is neither a template string (it has none of the fields"),
+        ("Grade {response", "is not a valid template"),
+    ],
+)
+def test_genrm_template_errors_name_the_key(template, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["reward.mode=genrm", f"reward.genrm.template={template}"])
+    message = str(info.value)
+    assert f"reward.genrm.template={template!r}" in message and fragment in message
+    assert "cannot be imported" not in message
+
+
+def test_eval_files_default_is_unset_and_an_empty_list_is_kept():
+    assert load_config(None).data.eval_files is None
+    assert load_config(EXAMPLE, ["data.eval_files=[]"]).data.eval_files == []

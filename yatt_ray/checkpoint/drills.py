@@ -36,8 +36,8 @@ class PromptAudit:
     discarded_steps: int  # step records of attempts that were rolled back (steps redone)
 
 
-def prompt_records(checkpoint_dir: str) -> list[dict]:
-    fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+def prompt_records(checkpoint_dir: str, storage_options: dict | None = None) -> list[dict]:
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir, **(storage_options or {}))
     try:
         names = fs.ls(f"{root}/prompt_ids", detail=False)
     except FileNotFoundError:
@@ -61,15 +61,15 @@ def surviving_records(records: list[dict]) -> tuple[list[dict], int]:
     return kept, discarded
 
 
-def prompt_audit(checkpoint_dir: str) -> PromptAudit:
+def prompt_audit(checkpoint_dir: str, storage_options: dict | None = None) -> PromptAudit:
     """Which prompts the surviving steps trained on, per epoch, against the newest checkpoint's data position."""
-    kept, discarded = surviving_records(prompt_records(checkpoint_dir))
+    kept, discarded = surviving_records(prompt_records(checkpoint_dir, storage_options))
     per_epoch: dict[int, list] = {}
     for r in kept:
         per_epoch.setdefault(int(r.get("epoch", 0)), []).extend(r["ids"])
     duplicated = sum(len(ids) - len(set(ids)) for ids in per_epoch.values())
     lost = forgotten = 0
-    position = newest_position(checkpoint_dir)
+    position = newest_position(checkpoint_dir, storage_options)
     if position is not None:
         step, epoch, consumed = position
         before = {i for r in kept if r["step"] <= step and int(r.get("epoch", 0)) == epoch for i in r["ids"]}
@@ -84,12 +84,12 @@ def prompt_audit(checkpoint_dir: str) -> PromptAudit:
     )
 
 
-def newest_position(checkpoint_dir: str) -> tuple[int, int, set] | None:
+def newest_position(checkpoint_dir: str, storage_options: dict | None = None) -> tuple[int, int, set] | None:
     """(step, epoch, consumed ids) of the newest valid checkpoint, or None."""
-    ref = CheckpointStore(checkpoint_dir).latest_valid()
+    ref = CheckpointStore(checkpoint_dir, storage_options=storage_options).latest_valid()
     if ref is None:
         return None
-    rank0 = CheckpointStore(rank_url(checkpoint_dir, 0), _NO_RETENTION, None)
+    rank0 = CheckpointStore(rank_url(checkpoint_dir, 0), _NO_RETENTION, None, storage_options)
     run = load(rank0, rank0.ref(ref.step), [RUN_ENTRY])[RUN_ENTRY]
     return ref.step, int(run["epoch"]), set(run["consumed"])
 

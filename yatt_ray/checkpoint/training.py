@@ -85,6 +85,7 @@ class TrainingCheckpoints:
         self.preempt_saved = False
         self.session = ""  # one id per start of the training function (see `attempt_number`)
         self.agreed_at_start = 0  # the step this start resumed from (0: a fresh start)
+        self.unlogged: list[tuple[str, dict]] = []  # prompt-id records not yet written (store down)
 
     # ---- resume (collective) --------------------------------------------------------------------------------
     def resume(self, ctrl) -> Resumed | None:
@@ -201,6 +202,8 @@ class TrainingCheckpoints:
         """At the end (or a stop): the final save when `checkpoint.at_end`, then wait for every write."""
         if self.cfg.at_end and self.last_saved != step:
             self.save(step, ctrl, "end of run", wait=True)
+        if self.unlogged:
+            self.flush_prompt_log()
         if not self.writer.close(timeout=self.config.cluster.timeout_s):
             log.error("the checkpoint of step %d is still being written after cluster.timeout_s", step)
         self._exchange(step, poll=False)
@@ -365,7 +368,10 @@ class TrainingCheckpoints:
 
     # ---- prompt audit log ----------------------------------------------------------------------------------
     def log_prompts(self, step: int, attempt: int, ids: list, epoch: int) -> None:
-        """With `checkpoint.log_prompt_ids`: this controller's prompt ids of `step` as one small JSON file."""
+        """With `checkpoint.log_prompt_ids`: this controller's prompt ids of `step` as one small JSON file.
+
+        A record that cannot be written (the store is down) is kept and written with the next one, so an
+        outage of the store leaves no hole in the audit once it is back."""
         if not self.cfg.log_prompt_ids:
             return
         name = f"step_{step:08d}.dp_{self.layout.dp_rank:03d}.{self.session}.json"
@@ -379,12 +385,21 @@ class TrainingCheckpoints:
             "ids": ids,
             "t": time.time(),
         }
+        self.unlogged.append((name, record))
+        self.flush_prompt_log()
+
+    def flush_prompt_log(self) -> None:
         folder = f"{self.store.root}/prompt_ids"
         try:
             self.store.fs.makedirs(folder, exist_ok=True)
-            self.store.fs.pipe_file(f"{folder}/{name}", json.dumps(record).encode())
+            while self.unlogged:
+                name, record = self.unlogged[0]
+                self.store.fs.pipe_file(f"{folder}/{name}", json.dumps(record).encode())
+                self.unlogged.pop(0)
         except Exception as exc:
-            log.error("could not write the prompt-id log of step %d (%r)", step, exc)
+            log.error(
+                "could not write the prompt-id log (%d records kept for later): %r", len(self.unlogged), exc
+            )
 
 
 def choose_resume(cfg) -> tuple[str, int, dict] | None:

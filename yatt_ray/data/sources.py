@@ -1,25 +1,38 @@
 """Read prompt files (parquet or jsonl, any fsspec URL) into a Ray Dataset with canonical columns.
 
 `check_sources` runs on the driver before the cluster does any work: it expands globs, checks that each
-file exists and that the configured columns are present, reading only file metadata (parquet footer or
-the first jsonl line). `build_dataset` is lazy: rows are read by Ray Data tasks, never by the driver.
+file exists, that the configured columns are present and that it holds rows, and warns about repeated ids.
+Parquet files are checked from their footer metadata (plus the id column); jsonl files have no metadata, so
+they are streamed line by line (each line parsed once, none kept). `first_row` reads one row (the reward
+function's dry call). `build_dataset` is lazy: rows are read by Ray Data tasks, never by the driver.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 
 from yatt_ray.config import DataConfig
 from yatt_ray.errors import DataError
 
+log = logging.getLogger(__name__)
+
 PROMPT_COLUMNS = ("id", "prompt", "ground_truth", "data_source")
 _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+_MISSING = object()  # an id column that a file (or a jsonl line) lacks
 
 
-def check_sources(data: DataConfig, key: str = "data.train_files") -> list[str]:
-    """Expanded file list for `key` (data.train_files or data.eval_files); DataError naming file, column, fix."""
+def check_sources(data: DataConfig, key: str = "data.train_files", min_rows: int = 1) -> list[str]:
+    """Expanded file list for `key` (data.train_files or data.eval_files); DataError naming file, column, fix.
+
+    Raises on a missing file, a missing prompt / answer column, an empty file, a malformed jsonl line (its
+    1-based number) and fewer than `min_rows` rows over all the files; warns when ids (`data.id_key`) are
+    missing or repeated, since the data position of a checkpoint is a set of ids.
+    """
     patterns = data.train_files if key == "data.train_files" else data.eval_files
     if not patterns:
         raise DataError(f"{key} is empty; give parquet or jsonl files, e.g. {key}=[data/train.parquet]")
@@ -30,11 +43,41 @@ def check_sources(data: DataConfig, key: str = "data.train_files") -> list[str]:
             raise DataError(f"{key} entry {pattern!r} matches no file; check the path or glob")
         for path in sorted(paths):
             url = fs.unstrip_protocol(path) if "://" in pattern else path
-            _check_columns(fs, path, url, data)
             files.append(url)
     if len({_format(f) for f in files}) > 1:
-        raise DataError(f"data.train_files mixes formats ({files}); use one of parquet or jsonl per run")
+        raise DataError(f"{key} mixes formats ({files}); use one of parquet or jsonl per run")
+    ids = _IdTally(data.id_key)
+    rows = 0
+    for url in files:
+        rows += _check_file(url, data, ids)
+    if rows < min_rows:
+        raise DataError(
+            f"{key} holds {rows} rows over {len(files)} file(s), fewer than the {min_rows} needed (one step's "
+            "prompts, train.prompts_per_step); add data or lower train.prompts_per_step"
+        )
+    ids.warn(key)
+    log.info("%s: %d rows in %d file(s)", key, rows, len(files))
     return files
+
+
+def first_row(data: DataConfig, files: list[str]) -> tuple[str, str, str]:
+    """(prompt, ground_truth, data_source) of the first row of `files[0]`, read alone (parquet: one row of the
+    first row group; jsonl: the first non-blank line), as `build_dataset` would give them."""
+    url = files[0]
+    if _format(url) == "parquet":
+        import pyarrow.parquet as pq
+
+        with fsspec.open(url, "rb") as f:
+            pf = pq.ParquetFile(f)
+            wanted = [data.prompt_key, data.answer_key, data.source_key]
+            columns = [c for c in wanted if c in pf.schema_arrow.names]
+            row = next((b.to_pylist()[0] for b in pf.iter_batches(batch_size=1, columns=columns)), None)
+    else:
+        with fsspec.open(url, "r") as f:
+            row = next((obj for _, obj in _jsonl_rows(f, url)), None)
+    if row is None:
+        raise DataError(f"data file {url!r} holds no rows; remove it from the data file lists or fill it")
+    return str(row[data.prompt_key]), str(row[data.answer_key]), str(row.get(data.source_key, "default"))
 
 
 def _format(path: str) -> str:
@@ -44,24 +87,141 @@ def _format(path: str) -> str:
     raise DataError(f"data file {path!r} has an unknown extension; use .parquet or .jsonl")
 
 
-def _check_columns(fs, path: str, url: str, data: DataConfig) -> None:
+class _IdTally:
+    """Counts ids over the files: how many repeat an id seen before, and the rows without one."""
+
+    def __init__(self, id_key: str) -> None:
+        self.id_key = id_key
+        self.seen: set = set()
+        self.repeats = 0
+        self.examples: list = []
+        self.missing: list[str] = []  # files with rows that lack the id column
+
+    def add(self, value: Any) -> None:
+        try:
+            hash(value)
+        except TypeError:
+            value = repr(value)
+        if value in self.seen:
+            self.repeats += 1
+            if len(self.examples) < 3:
+                self.examples.append(value)
+        else:
+            self.seen.add(value)
+
+    def warn(self, key: str) -> None:
+        if self.missing:
+            log.warning(
+                "%s: %d file(s) (%s) have rows without the id column %r (data.id_key): those rows get id -1, so the "
+                "data position (which prompt ids an epoch consumed) is not recorded for them and a resumed run "
+                "re-trains them; give every row a unique id in a column named by data.id_key",
+                key,
+                len(self.missing),
+                ", ".join(self.missing[:3]) + (", ..." if len(self.missing) > 3 else ""),
+                self.id_key,
+            )
+        if self.repeats:
+            log.warning(
+                "%s: %d row(s) repeat an id of the column %r (data.id_key) over the files (e.g. %s): the data "
+                "position (which prompt ids an epoch consumed) assumes unique ids, so a resumed run may re-train "
+                "or skip the rows sharing an id; give every row a unique id",
+                key,
+                self.repeats,
+                self.id_key,
+                ", ".join(repr(v) for v in self.examples),
+            )
+
+
+def _check_file(url: str, data: DataConfig, ids: _IdTally) -> int:
+    """The number of rows in `url`, after checking its columns and (jsonl) every line."""
+    fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         raise DataError(f"data file {url!r} does not exist; check the data file lists")
     if _format(path) == "parquet":
-        import pyarrow.parquet as pq
-
-        with fs.open(path, "rb") as f:
-            columns = set(pq.read_schema(f).names)
+        rows = _check_parquet(fs, path, url, data, ids)
     else:
-        with fs.open(path, "r") as f:
-            first = f.readline()
-        columns = set(json.loads(first)) if first.strip() else set()
+        rows = _check_jsonl(fs, path, url, data, ids)
+    if rows == 0:
+        raise DataError(f"data file {url!r} holds no rows; remove it from the data file lists or fill it")
+    return rows
+
+
+def _need_columns(url: str, columns: set, data: DataConfig, where: str = "") -> None:
     for key_name, column in (("data.prompt_key", data.prompt_key), ("data.answer_key", data.answer_key)):
         if column not in columns:
             raise DataError(
-                f"data file {url!r} has no column {column!r} ({key_name}); its columns are {sorted(columns)}. "
-                f"Set {key_name}=<column> to the right one."
+                f"data file {url!r}{where} has no column {column!r} ({key_name}); its columns are "
+                f"{sorted(columns)}. Set {key_name}=<column> to the right one."
             )
+
+
+def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally) -> int:
+    import pyarrow.parquet as pq
+
+    with fs.open(path, "rb") as f:
+        try:
+            metadata = pq.read_metadata(f)
+        except Exception as exc:  # pyarrow raises ArrowInvalid (a ValueError) or OSError on a broken footer
+            raise DataError(
+                f"data file {url!r} is not a readable parquet file ({type(exc).__name__}: {exc}); rewrite it, "
+                "or fix its extension"
+            ) from exc
+        columns = set(metadata.schema.to_arrow_schema().names)
+        _need_columns(url, columns, data)
+        if metadata.num_rows and data.id_key in columns:
+            f.seek(0)
+            for value in pq.read_table(f, columns=[data.id_key]).column(0).to_pylist():
+                ids.add(value)
+        elif metadata.num_rows:
+            ids.missing.append(url)
+    return int(metadata.num_rows)
+
+
+def _check_jsonl(fs, path: str, url: str, data: DataConfig, ids: _IdTally) -> int:
+    rows, missing = 0, False
+    with fs.open(path, "r") as f:
+        for number, obj in _jsonl_rows(f, url):
+            if rows == 0:
+                _need_columns(url, set(obj), data, where=f" (line {number})")
+            else:
+                for key_name, column in (
+                    ("data.prompt_key", data.prompt_key),
+                    ("data.answer_key", data.answer_key),
+                ):
+                    if column not in obj:
+                        raise DataError(
+                            f"data file {url!r} line {number} has no key {column!r} ({key_name}); its keys are "
+                            f"{sorted(obj)}. Every line needs the prompt and answer keys: fix or remove that line"
+                        )
+            value = obj.get(data.id_key, _MISSING)
+            if value is _MISSING:
+                missing = True
+            else:
+                ids.add(value)
+            rows += 1
+    if missing:
+        ids.missing.append(url)
+    return rows
+
+
+def _jsonl_rows(f, url: str) -> Iterator[tuple[int, dict]]:
+    """(1-based line number, object) for each non-blank line; DataError on a line that is not a JSON object."""
+    for number, line in enumerate(f, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"data file {url!r} line {number} is not valid JSON ({exc.msg} at column {exc.colno}): "
+                f"{line.strip()[:80]!r}; fix or remove that line (a .jsonl file holds one JSON object per line)"
+            ) from exc
+        if not isinstance(obj, dict):
+            raise DataError(
+                f"data file {url!r} line {number} is a JSON {type(obj).__name__}, not an object: "
+                f"{line.strip()[:80]!r}; each line of a .jsonl file must be one object with the prompt and answer keys"
+            )
+        yield number, obj
 
 
 def build_dataset(data: DataConfig, files: list[str]):

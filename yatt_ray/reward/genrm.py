@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,21 +86,48 @@ def parse_score(text: str) -> float | None:
 
 def resolve_template(spec: str) -> Template:
     """A template string with {prompt}, {response}, {ground_truth} fields, or a dotted path to a function
-    `fn(prompt, response, ground_truth) -> str`; "default" is `DEFAULT_TEMPLATE`."""
+    `fn(prompt, response, ground_truth) -> str`; "default" is `DEFAULT_TEMPLATE`.
+
+    A template string must use {response} (otherwise the judge never sees the answer it grades); {prompt}
+    and {ground_truth} are optional (a reference-free judge needs no ground truth)."""
     if spec == "default":
         spec = DEFAULT_TEMPLATE
-    if "{" in spec:
-        unknown = set(re.findall(r"{(\w*)}", spec)) - {"prompt", "response", "ground_truth"}
+    fields = "{prompt}, {response} and {ground_truth}"
+    if "{" in spec or "}" in spec:
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(spec) if name is not None}
+        except ValueError as exc:  # an unmatched brace
+            raise ConfigError(
+                f"reward.genrm.template={_short(spec)} is not a valid template ({exc}); use the fields {fields} "
+                "and double braces ({{ or }}) for a literal brace"
+            ) from exc
+        unknown = names - {"prompt", "response", "ground_truth"}
         if unknown:
             raise ConfigError(
-                f"reward.genrm.template has unknown field(s) {sorted(unknown)}; use {{prompt}}, {{response}} "
-                "and {ground_truth} (double braces for a literal brace)"
+                f"reward.genrm.template has unknown field(s) {sorted(unknown)}; use {fields} "
+                "(double braces for a literal brace)"
+            )
+        if "response" not in names:
+            raise ConfigError(
+                f"reward.genrm.template={_short(spec)} has no {{response}} field, so the judge would never see "
+                f"the response it grades; add {{response}} (fields: {fields})"
             )
         return lambda prompt, response, ground_truth: spec.format(
             prompt=prompt, response=response, ground_truth=ground_truth
         )
-    fn = import_object(spec, "reward.genrm.template")
+    if not re.fullmatch(r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*", spec.strip()):
+        raise ConfigError(
+            f"reward.genrm.template={_short(spec)} is neither a template string (it has none of the fields "
+            f"{fields}) nor a 'package.module:function' path; write the judge prompt with at least {{response}} "
+            "in it, or name a function fn(prompt, response, ground_truth) -> str"
+        )
+    fn = import_object(spec.strip(), "reward.genrm.template")
     return fn
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """`text` quoted, cut to `limit` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def resolve_parser(spec: str) -> Parser:

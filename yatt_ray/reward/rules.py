@@ -2,6 +2,12 @@
 
 Built-ins are found by name in REWARD_FUNCTIONS; a user's own function is named by dotted path,
 `package.module:function` (or `package.module.function`).
+
+A reward is a finite real number: an int, float or bool, a numpy scalar or a 0-d tensor (anything `float()`
+takes, except strings). When the function raises on a sample, `reward.on_error` decides: raise (a RewardError
+naming the sample and the exception) or zero (reward 0, counted). A return that is not a finite number (None,
+a string, a list, NaN, inf) is a bug in the function, not in the sample: it always raises. `check_reward_fn`
+makes one dry call on the driver before any cluster work.
 """
 
 from __future__ import annotations
@@ -9,14 +15,20 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
+import math
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from yatt_ray.algos.registry import Registry
-from yatt_ray.errors import ConfigError
+from yatt_ray.errors import ConfigError, RewardError
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str, str], Any]  # -> float, or an awaitable of one
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
+REWARD_TYPES = "int, float, bool, a numpy scalar or a 0-d tensor"
 
 
 @REWARD_FUNCTIONS.register("exact_match")
@@ -48,12 +60,140 @@ def import_object(name: str, key: str, alternatives: str = "") -> Callable:
     return fn
 
 
-def score_with_rule(fn: RewardFn, items: list[tuple[str, str, str]]) -> list[float]:
-    """`fn(response, ground_truth, data_source)` for each item; an async `fn` runs its calls concurrently."""
-    if inspect.iscoroutinefunction(fn):
+def as_reward(value: Any) -> float | None:
+    """`value` as a float when it is a finite real number (see the module docstring), else None."""
+    if value is None or isinstance(value, str | bytes) or getattr(value, "ndim", 0) != 0:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return number if math.isfinite(number) else None
 
-        async def run_all() -> list[float]:
-            return list(await asyncio.gather(*(fn(*item) for item in items)))
 
-        return [float(x) for x in asyncio.run(run_all())]
-    return [float(fn(*item)) for item in items]
+def rule_rewards(
+    fn: RewardFn, items: list[tuple[str, str, str]], name: str = "reward function", on_error: str = "raise"
+) -> tuple[list[float], int]:
+    """(`fn(response, ground_truth, data_source)` for each item, the number of items it raised on).
+
+    An async `fn` runs its calls concurrently; one failing call never drops the others' results. A call that
+    raises gives a RewardError (`on_error="raise"`) or the reward 0.0 (`"zero"`, counted in the second value);
+    a return that is not a finite number is a RewardError whatever `on_error` says (a bug in `fn`). `name` is
+    the `reward.function` value the messages quote.
+    """
+    rewards, errors = [], 0
+    for item, (ok, value) in zip(items, _call_all(fn, items)):
+        if not ok:
+            if on_error == "zero":
+                rewards.append(0.0)
+                errors += 1
+                continue
+            raise RewardError(
+                _raised_message(name, fn, item, value)
+                + "; fix the function so that it returns a number for every response (empty, truncated or "
+                "malformed ones too), or set reward.on_error=zero to score such samples 0 (counted in reward/errors)"
+            ) from value
+        reward = as_reward(value)
+        if reward is None:
+            raise RewardError(
+                _bad_value_message(name, fn, item, value)
+                + ". This is a bug in the function, not in the sample: it stops the run whatever reward.on_error says"
+            )
+        rewards.append(reward)
+    return rewards, errors
+
+
+def score_with_rule(
+    fn: RewardFn, items: list[tuple[str, str, str]], name: str = "reward function", on_error: str = "raise"
+) -> list[float]:
+    """The rewards of `rule_rewards` alone."""
+    return rule_rewards(fn, items, name, on_error)[0]
+
+
+def check_reward_fn(
+    fn: RewardFn, name: str, ground_truth: str, data_source: str, on_error: str = "raise"
+) -> tuple[float | None, float | None]:
+    """A dry call on the driver, before any cluster work: `fn` scores the ground truth itself as the response,
+    and an empty response (a policy can produce one). Returns the two rewards (None for a call that raised
+    under `on_error="zero"`, which only logs a warning).
+
+    ConfigError naming `reward.function`, the function and the sample when a call raises (`on_error="raise"`),
+    or when a return is not a finite number (always: that is a bug in the function).
+    """
+    items = [(ground_truth, ground_truth, data_source), ("", ground_truth, data_source)]
+    whats = ("the ground truth as the response", "an empty response")
+    out: list[float | None] = []
+    for item, what, (ok, value) in zip(items, whats, _call_all(fn, items)):
+        prefix = f"dry call of the reward function on the first data row ({what}): "
+        if not ok:
+            message = _raised_message(name, fn, item, value)
+            if on_error == "zero":
+                log.warning("%s%s; with reward.on_error=zero such samples score 0", prefix, message)
+                out.append(None)
+                continue
+            raise ConfigError(
+                prefix
+                + message
+                + "; fix the function (it must return a number for every response, empty ones "
+                "too), or set reward.on_error=zero to score the samples it fails on 0"
+            ) from value
+        reward = as_reward(value)
+        if reward is None:
+            raise ConfigError(prefix + _bad_value_message(name, fn, item, value))
+        out.append(reward)
+    log.info("reward.function=%s: ground truth -> %s, empty response -> %s", name, out[0], out[1])
+    return out[0], out[1]
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _call_all(fn: RewardFn, items: list[tuple[str, str, str]]) -> list[tuple[bool, Any]]:
+    """(True, return value) or (False, the exception) per item; async calls run concurrently."""
+    if _is_async(fn):
+
+        async def guarded(item: tuple[str, str, str]) -> tuple[bool, Any]:
+            try:
+                return True, await fn(*item)
+            except Exception as exc:
+                return False, exc
+
+        async def run_all() -> list[tuple[bool, Any]]:
+            return list(await asyncio.gather(*(guarded(item) for item in items)))
+
+        return asyncio.run(run_all())
+    outcomes: list[tuple[bool, Any]] = []
+    for item in items:
+        try:
+            outcomes.append((True, fn(*item)))
+        except Exception as exc:
+            outcomes.append((False, exc))
+    return outcomes
+
+
+def _describe(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _sample(item: tuple[str, str, str]) -> str:
+    response, ground_truth, data_source = item
+    return (
+        f"the sample with data_source={data_source!r}, ground_truth={ground_truth[:200]!r} and response "
+        f"(first 200 characters) {response[:200]!r}"
+    )
+
+
+def _raised_message(name: str, fn: Callable, item: tuple[str, str, str], exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"reward.function={name!r} ({_describe(fn)}) raised {type(exc).__name__}: {exc}{where} on {_sample(item)}"
+
+
+def _bad_value_message(name: str, fn: Callable, item: tuple[str, str, str], value: Any) -> str:
+    shown = repr(value)
+    shown = shown if len(shown) <= 100 else shown[:100] + "..."
+    return (
+        f"reward.function={name!r} ({_describe(fn)}) returned {shown} of type {type(value).__name__} for "
+        f"{_sample(item)}; a reward must be a finite number ({REWARD_TYPES})"
+    )

@@ -6,6 +6,8 @@
 
 A verdict the parser cannot read is counted (`genrm/parse_failures`) and replaced per
 `reward.genrm.on_parse_error`: zero (0.0), rule (that sample's rule reward) or raise (GenRMError).
+A rule function that raises on a sample is handled per `reward.on_error`: raise (RewardError naming the
+sample) or zero (rule reward 0.0, counted in `reward/errors`); a non-numeric or NaN return always raises.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from yatt_ray.config import RewardConfig
 from yatt_ray.reward.client import GenRMClient, GenRMError
 from yatt_ray.reward.genrm import JudgeRequest, Verdict
-from yatt_ray.reward.rules import resolve_reward_fn, score_with_rule
+from yatt_ray.reward.rules import resolve_reward_fn, rule_rewards
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class RewardScorer:
         if config.mode != "rule":
             self.client = GenRMClient(config.genrm.timeout_s, config.genrm.max_retries, connect_timeout_s)
         self.parse_failures = 0
+        self.rule_errors = 0  # samples the rule function raised on (reward.on_error=zero)
         self.verdicts: dict[str, Verdict] = {}  # collected, not yet used
 
     def submit(self, samples: list[Sample]) -> None:
@@ -76,9 +79,10 @@ class RewardScorer:
     def scores(self, samples: list[Sample]) -> list[float]:
         """Rewards in `samples` order; every sample must have been submitted (no-op in rule mode)."""
         items = [(s.response, s.ground_truth, s.data_source) for s in samples]
-        rules: list[float | None] = (
-            list(score_with_rule(self.rule_fn, items)) if self.uses_rule else [None] * len(items)
-        )
+        rules: list[float | None] = [None] * len(items)
+        if self.uses_rule:
+            scores, errors = rule_rewards(self.rule_fn, items, self.config.function, self.config.on_error)
+            rules, self.rule_errors = list(scores), self.rule_errors + errors
         if self.client is None:
             return [float(r) for r in rules]  # type: ignore[arg-type]
         self.verdicts.update(self.client.collect())
@@ -91,12 +95,15 @@ class RewardScorer:
         return out
 
     def take_stats(self) -> dict[str, float]:
-        """GenRM counters since the last call (empty in rule mode)."""
+        """Counters since the last call: `reward/errors` (the rule function raised; reward.on_error=zero) and
+        the GenRM counters. The keys follow from the config alone (the controllers sum them collectively)."""
+        stats: dict[str, float] = {}
+        if self.uses_rule and self.config.on_error == "zero":
+            stats["reward/errors"] = float(self.rule_errors)
+            self.rule_errors = 0
         if self.client is None:
-            return {}
-        stats = {
-            "genrm/parse_failures": float(self.parse_failures),
-            "genrm/retries": float(self.client.retries),
-        }
+            return stats
+        stats["genrm/parse_failures"] = float(self.parse_failures)
+        stats["genrm/retries"] = float(self.client.retries)
         self.parse_failures, self.client.retries = 0, 0
         return stats

@@ -31,7 +31,11 @@ def demo_cache_dir(demo: DemoConfig) -> Path:
 
 
 def prepare_demo(config: Config) -> Config:
-    """Fill `model.path` and `data.train_files` with the demo's model and data where they are empty."""
+    """Fill `model.path` and `data.train_files` with the demo's model and data where they are empty.
+
+    The demo's eval set fills `data.eval_files` only when that is not given (None); an explicit [] keeps the
+    run without evaluation, and given files are used as they are.
+    """
     folder = demo_cache_dir(config.demo)
     model_dir, train_file, eval_file = folder / "model", folder / "train.parquet", folder / "eval.parquet"
     if config.model.path == "" and not (model_dir / "config.json").exists():
@@ -42,7 +46,8 @@ def prepare_demo(config: Config) -> Config:
             config.demo.train_prompts, seed=config.train.seed + 100, max_operand=config.demo.max_operand
         )
         write_parquet(rows, train_file)
-    if not config.data.train_files and not config.data.eval_files and not eval_file.exists():
+    demo_eval = not config.data.train_files and config.data.eval_files is None
+    if demo_eval and not eval_file.exists():
         rows = make_problems(
             config.demo.eval_prompts, seed=7, max_operand=config.demo.max_operand, id_offset=10**8
         )
@@ -51,9 +56,10 @@ def prepare_demo(config: Config) -> Config:
         prepare_demo_judge(config, folder / "judge")
     if config.model.path == "":
         config.model.path = str(model_dir)
+    if demo_eval:
+        config.data.eval_files = [str(eval_file)]
     if not config.data.train_files:
         config.data.train_files = [str(train_file)]
-        config.data.eval_files = config.data.eval_files or [str(eval_file)]
     return config
 
 
