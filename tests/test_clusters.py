@@ -28,6 +28,7 @@ A100 = ROOT / "clusters" / "a100.yaml"
 GPUS_PER_INSTANCE = {"p4d.24xlarge": 8, "p4de.24xlarge": 8, "p5.48xlarge": 8}
 
 GPU_EXTRA_INSTALL = re.compile(r"pip install\b.*yatt_ray\[gpu\]")
+DASHBOARD_HOST = re.compile(r"--dashboard-host[= ]+['\"]?([^\s'\";]+)")
 TORCH_PIN = re.compile(r"torch==([\w.+-]+)")
 
 
@@ -83,6 +84,11 @@ def yatt_problems(config: dict[str, Any]) -> list[str]:
     if pins and pins != {setup_cfg_torch_pin()}:
         problems.append(f"torch pin {sorted(pins)} differs from setup.cfg's torch=={setup_cfg_torch_pin()}")
 
+    # The dashboard serves the job API (code execution): loopback only, reached through `ray dashboard` (SSH).
+    for cmd in config.get("head_start_ray_commands", []) + config.get("worker_start_ray_commands", []):
+        for host in DASHBOARD_HOST.findall(cmd):
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                problems.append(f"`ray start --dashboard-host={host}` exposes the job API beyond the node")
     for remote, local in config.get("file_mounts", {}).items():
         if not (ROOT / local).exists():
             problems.append(f"file_mounts {remote!r}: local path {local!r} missing from the checkout")
@@ -150,7 +156,22 @@ def _missing_mount(config):
     config["file_mounts"]["~/nowhere"] = "./no/such/path"
 
 
-@pytest.mark.parametrize("break_it", [_no_gpus, _cpu_extra, _min_above_max, _other_torch, _missing_mount])
+def _dashboard_on_all_interfaces(config):
+    config["head_start_ray_commands"] = [
+        re.sub(r"--dashboard-host=\S+", "--dashboard-host 0.0.0.0", cmd)
+        for cmd in config["head_start_ray_commands"]
+    ]
+
+
+def _dashboard_on_ipv6_any(config):
+    config["head_start_ray_commands"][-1] += " --dashboard-host='::'"
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [_no_gpus, _cpu_extra, _min_above_max, _other_torch, _missing_mount, _dashboard_on_all_interfaces,
+     _dashboard_on_ipv6_any],
+)  # fmt: skip
 def test_yatt_checks_can_fail(break_it):
     config = load(A100)
     break_it(config)

@@ -1,0 +1,176 @@
+"""Clusters these tests start themselves: the local cluster of `yatt_ray.fit()` listens on loopback only,
+and `cluster.placement_strategy` decides how Ray Train puts the training workers on two raylets.
+
+Each runs in a fresh Python subprocess with its own Ray temp dir (RAY_TMPDIR) and no RAY_ADDRESS, so it
+neither joins nor disturbs the session's shared cluster, and stops only the processes it started
+(`ray.shutdown()` / `Cluster.shutdown()` in that subprocess).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import yatt_ray
+from yatt_ray.errors import ConfigError
+from yatt_ray.placement import plan_placement
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_isolated(script: str, args: list[str], timeout_s: float) -> dict:
+    """Run `script args` in a fresh interpreter on its own Ray temp dir; it prints one JSON line last."""
+    # Short: Ray puts Unix sockets under the temp dir (paths are limited to ~107 bytes).
+    with tempfile.TemporaryDirectory(prefix="yr-", dir="/tmp") as tmp:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        }
+        # Token auth off: a local ray.init() would otherwise write ~/.ray/auth_token into the user's home.
+        env.update(
+            RAY_TMPDIR=tmp, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO)
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script), *args],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+LISTENERS = """
+    import json, time
+
+    import psutil
+    import ray
+
+    from yatt_ray.cluster import connect
+    from yatt_ray.config import Config
+    from ray._private import ray_constants
+
+    connect(Config())
+    flag_restored = ray_constants.ENABLE_RAY_CLUSTER
+
+    @ray.remote(num_cpus=1)
+    def task():
+        return ray.util.get_node_ip_address()
+
+    @ray.remote(num_cpus=0)
+    class Actor:
+        def ip(self):
+            return ray.util.get_node_ip_address()
+
+    actor = Actor.remote()
+    ips = ray.get([task.remote(), actor.ip.remote()], timeout=120)
+    time.sleep(2)  # the agents' late servers (metrics, gRPC) are up a moment after the node
+    me = psutil.Process()
+    rows = []
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            name = proc.name()
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                rows.append([proc.pid, name, c.laddr.ip, c.laddr.port])
+    nodes = [n["NodeManagerAddress"] for n in ray.nodes()]
+    ray.shutdown()
+    print(json.dumps({"listen": rows, "ips": ips, "nodes": nodes, "flag_restored": flag_restored}))
+"""
+
+
+def _loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)  # "::ffff:127.0.0.1": an IPv6 socket bound to 127.0.0.1
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_loopback_predicate():
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("::ffff:127.0.0.1")
+    assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.0.2.2")
+
+
+def test_local_cluster_listens_on_loopback_only():
+    """GCS, raylet / object manager, dashboard and its agents, and every worker bind 127.0.0.1."""
+    out = _run_isolated(LISTENERS, [], timeout_s=240)
+    names = {name for _, name, _, _ in out["listen"]}
+    # The check saw the whole cluster, not just the driver.
+    assert {"gcs_server", "raylet"} <= names, out["listen"]
+    assert len(out["listen"]) >= 8, out["listen"]
+    exposed = [row for row in out["listen"] if not _loopback(row[2])]
+    assert exposed == [], f"Ray processes listening beyond loopback: {exposed}"
+    assert out["nodes"] == ["127.0.0.1"] and out["ips"] == ["127.0.0.1", "127.0.0.1"]
+    assert out["flag_restored"] is True  # a later ray.init(address=...) registers under the routable IP
+
+
+PLACEMENT = """
+    import importlib, json, os, sys, tempfile
+    from pathlib import Path
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import yatt_ray.controller
+    import yatt_ray.data
+    from yatt_ray.config import load_config
+    from yatt_ray.placement import plan_placement
+
+    fit_module = importlib.import_module("yatt_ray.fit")  # the module (yatt_ray.fit is also the function)
+    out_dir = Path(tempfile.mkdtemp(dir=os.environ["RAY_TMPDIR"]))
+
+    def probe(loop_config):
+        # stands in for the real train loop: where did this rank land?
+        import ray.train
+
+        ctx = ray.train.get_context()
+        node = ray.get_runtime_context().get_node_id()
+        (out_dir / f"rank{ctx.get_world_rank()}").write_text(node)
+
+    yatt_ray.controller.train_loop_per_worker = probe  # _trainer imports it at call time
+    yatt_ray.data.build_dataset = lambda data, files: None  # no prompts needed to check placement
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    seen = {}
+    try:
+        for strategy in sys.argv[1:]:
+            config = load_config(None, ["train.dp_size=2", f"cluster.placement_strategy={strategy}"])
+            plan = plan_placement(config, ray.cluster_resources())
+            trainer = fit_module._trainer(
+                config, plan, {"train": []}, False, out_dir / strategy, {"hub": None, "control": None}
+            )
+            assert trainer.scaling_config.placement_strategy == strategy
+            trainer.fit()
+            seen[strategy] = sorted((out_dir / f"rank{r}").read_text() for r in range(plan.num_workers))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(json.dumps(seen))
+"""
+
+
+def test_placement_strategy_pack_and_spread_on_two_raylets():
+    """Through yatt_ray's own TorchTrainer (fit._trainer): PACK puts both workers on one of two 2-CPU nodes,
+    SPREAD one on each."""
+    seen = _run_isolated(PLACEMENT, ["PACK", "SPREAD"], timeout_s=300)
+    assert len(seen["PACK"]) == 2 and len(set(seen["PACK"])) == 1, seen
+    assert len(set(seen["SPREAD"])) == 2, seen
+
+
+def test_placement_strategy_is_checked():
+    config = yatt_ray.load_config(None, ["cluster.placement_strategy=STRICT"])
+    with pytest.raises(ConfigError, match=r"cluster.placement_strategy='STRICT'.*PACK.*SPREAD"):
+        plan_placement(config, {"CPU": 8.0})
+    assert yatt_ray.load_config(None).cluster.placement_strategy == "PACK"
