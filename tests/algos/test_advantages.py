@@ -242,6 +242,23 @@ def test_remax_hand_computed_and_errors():
         remax_advantages(rewards, torch.tensor([0.0, float("nan")]))
 
 
+def test_remax_single_response_needs_no_batch_statistic():
+    # one prompt, one sample: A = r - greedy = 1.0 - 0.5 = 0.5 (exact in binary floating point)
+    for dtype in (torch.float32, F64):
+        adv = remax_advantages(torch.tensor([[1.0]], dtype=dtype), torch.tensor([0.5], dtype=dtype))
+        torch.testing.assert_close(adv, torch.tensor([[0.5]], dtype=dtype), rtol=0, atol=0)
+    via_registry = ADVANTAGE_ESTIMATORS.get("remax")(
+        torch.tensor([[1.0]]), greedy_rewards=torch.tensor([0.5])
+    )
+    torch.testing.assert_close(via_registry, torch.tensor([[0.5]]), rtol=0, atol=0)
+    # integer rule rewards are promoted; -1 - 2 = -3
+    adv = remax_advantages(torch.tensor([[-1]]), torch.tensor([2.0]))
+    assert adv.dtype == torch.float32 and adv.tolist() == [[-3.0]]
+    # the batch-std guard still applies to the estimator that does whiten over the batch
+    with pytest.raises(ValueError, match="at least 2 rewards in the batch"):
+        reinforce_pp_advantages(torch.tensor([[1.0]]))
+
+
 # --- GAE --------------------------------------------------------------------------------------------------------
 
 

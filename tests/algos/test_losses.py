@@ -191,6 +191,83 @@ def test_gspo_token_form_matches_sequence_level_value_and_gradient():
         gspo_loss(logp, old, adv)
 
 
+def test_gspo_clamp_bounds_loss_and_gradient():
+    # old_logp = 0, mask [1, 1, 0], default clip range [1 - 3e-4, 1 + 4e-4]; the clamp is [-10, 10]
+    # row 0: token log-ratios [11, 13] -> m = 12 > 10, A = -1: s = e^10 (clamped), unclipped -e^10 < clipped
+    #        -(1 + 4e-4), so loss = e^10 = 22026.4658 per token (unclamped it would be e^12 = 162754.8);
+    #        gradient 0 (torch.clamp is flat outside its bounds; before the fix it was e^12 per token)
+    # row 1: m = 25 (beyond the overflow clamp of 20 too), A = -1: the same loss e^10, gradient 0
+    # row 2: m = -12 < -10, A = +1: s = e^-10, loss = -e^-10 = -4.54e-5, gradient 0
+    # row 3: m = 12, A = +1: clipped, loss = -(1 + 4e-4), gradient 0 (clip, as without the clamp)
+    logp = torch.tensor(
+        [[11.0, 13.0, 0.7], [24.0, 26.0, 0.0], [-11.0, -13.0, 0.0], [12.0, 12.0, 0.0]],
+        dtype=F64,
+        requires_grad=True,
+    )
+    old = torch.zeros(4, 3, dtype=F64)
+    mask = torch.tensor([[1, 1, 0]] * 4)
+    seq_adv = torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=F64)
+    adv = torch.where(mask.bool(), seq_adv.unsqueeze(1), torch.zeros(()))
+    loss, stats = gspo_loss(logp, old, adv, response_mask=mask)
+    e10 = math.exp(10.0)
+    expected = torch.tensor(
+        [[e10, e10, 0.0], [e10, e10, 0.0], [-math.exp(-10.0)] * 2 + [0.0], [-(1 + 4e-4)] * 2 + [0.0]],
+        dtype=F64,
+    )
+    torch.testing.assert_close(loss, expected, rtol=1e-15, atol=0)
+    assert float(loss.detach().abs().max()) <= e10 * float(seq_adv.abs().max())  # the bound: e^10 * |A|
+    torch.testing.assert_close(stats["ratio"][:, 0], torch.tensor([e10, e10, math.exp(-10), e10], dtype=F64))
+    aggregate(loss, mask, "seq-mean-token-mean").backward()
+    assert logp.grad is not None and torch.equal(logp.grad, torch.zeros_like(logp))
+    # the summed per-token loss gives the same: every token's gradient is exactly 0
+    logp2 = logp.detach().clone().requires_grad_(True)
+    gspo_loss(logp2, old, adv, response_mask=mask)[0].sum().backward()
+    assert torch.equal(logp2.grad, torch.zeros_like(logp2))
+
+
+def test_gspo_inside_clamp_value_and_gradient_unchanged():
+    # rows with |m| <= 10, some far from 1, with the clip range [0.8, 1.2]; old_logp random
+    gen = torch.Generator().manual_seed(11)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    lengths = mask.sum(1)
+    target = torch.tensor([9.5, -9.5, 2.0, -0.5, 0.1, 9.9], dtype=F64)  # all inside [-10, 10]
+    seq_adv = torch.tensor([-1.0, 1.0, -2.0, 0.5, 1.0, -1.0], dtype=F64)
+    old = torch.randn(6, 4, generator=gen, dtype=F64) - 3
+    noise = torch.randn(6, 4, generator=gen, dtype=F64) * 0.1
+    noise = torch.where(mask.bool(), noise - (noise * mask).sum(1, keepdim=True) / lengths.unsqueeze(1), 0.0)
+    logp0 = old + torch.where(mask.bool(), noise + target.unsqueeze(1), torch.zeros(()))
+    adv = torch.where(mask.bool(), seq_adv.unsqueeze(1), torch.zeros(()))
+
+    logp = logp0.clone().requires_grad_(True)
+    loss, _ = gspo_loss(logp, old, adv, 0.2, 0.2, response_mask=mask)
+    loss.sum().backward()
+
+    # the formula: s_i = exp(m_i); loss = -min(s A, clip(s) A); d loss[i, t] / d logp[i, t] = -A s_i where
+    # the unclipped term is the minimum, else 0 (m_i is detached: each token's own path only)
+    m = ((logp0 - old) * mask).sum(1) / lengths
+    s = torch.exp(m)
+    torch.testing.assert_close(m, target, rtol=0, atol=1e-12)
+    unclipped, clipped = s * seq_adv, s.clamp(0.8, 1.2) * seq_adv
+    row_loss = -torch.minimum(unclipped, clipped)
+    row_grad = torch.where(unclipped <= clipped, -seq_adv * s, torch.zeros(()))
+    assert (unclipped < clipped).tolist() == [True, True, True, True, False, True]  # both branches exercised
+    torch.testing.assert_close(loss, row_loss.unsqueeze(1) * mask, rtol=1e-14, atol=0)  # A = 0 on padding
+    torch.testing.assert_close(logp.grad, row_grad.unsqueeze(1) * mask, rtol=1e-14, atol=0)
+    # e.g. row 0: m = 9.5, A = -1 -> loss e^9.5 = 13359.73 per token, gradient e^9.5 per token
+    assert loss[0, 0].item() == pytest.approx(math.exp(9.5), rel=1e-14)
+    assert logp.grad[0, 0].item() == pytest.approx(math.exp(9.5), rel=1e-14)
+
+    # the pre-fix form (clamp [-20, 20] on the detached m, then exp(m + logp - sg(logp))) gives the same
+    logp_old = logp0.clone().requires_grad_(True)
+    lp = torch.where(mask.bool(), logp_old, 0.0)
+    m_old = (((lp - old * mask).sum(1, keepdim=True)) / lengths.unsqueeze(1)).detach().clamp(-20, 20)
+    ratio_old = torch.exp(m_old + (lp - lp.detach()))
+    loss_old = -torch.minimum(ratio_old * adv, ratio_old.clamp(0.8, 1.2) * adv)
+    loss_old.sum().backward()
+    torch.testing.assert_close(loss, loss_old, rtol=1e-15, atol=0)
+    torch.testing.assert_close(logp.grad, logp_old.grad, rtol=1e-15, atol=0)
+
+
 # --- CISPO ----------------------------------------------------------------------------------------------------
 
 

@@ -82,7 +82,12 @@ def _register(
     return decorator
 
 
-def _check_group_rewards(rewards: Tensor, min_group: int = 2) -> Tensor:
+def _check_group_rewards(rewards: Tensor, min_group: int = 2, min_batch: int = 1) -> Tensor:
+    """Validate ``rewards`` [P, G] (G >= ``min_group``, P * G >= ``min_batch``, finite); return them as float.
+
+    ``min_batch = 2`` is for estimators that take a std over the whole batch (the std of one value is
+    undefined); estimators without batch statistics ("remax") keep the default 1.
+    """
     if not isinstance(rewards, Tensor):
         raise TypeError(f"rewards must be a torch.Tensor of shape [P, G], got {type(rewards).__name__}")
     if rewards.dim() != 2:
@@ -97,7 +102,7 @@ def _check_group_rewards(rewards: Tensor, min_group: int = 2) -> Tensor:
             f"group-relative advantages need at least 2 samples per prompt, got G={rewards.shape[1]} "
             f"(every advantage would be 0); raise the number of samples per prompt to 2 or more"
         )
-    if min_group < 2 and rewards.numel() < 2:
+    if rewards.numel() < min_batch:
         raise ValueError(
             f"batch-whitened advantages need at least 2 rewards in the batch, got shape {tuple(rewards.shape)} "
             f"(the std of one value is undefined); pass more prompts or samples"
@@ -207,7 +212,7 @@ def reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     token rewards with `token_rewards_from_outcome`, accumulate them (`gae_advantages` with gamma = lam = 1
     and zero values gives the reward-to-go) and whiten with `masked_whiten` instead.
     """
-    return _whiten_all(_check_group_rewards(rewards, min_group=1), eps)
+    return _whiten_all(_check_group_rewards(rewards, min_group=1, min_batch=2), eps)
 
 
 @_register("reinforce_pp_baseline", needs_group=True)
@@ -232,13 +237,16 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, eps: float = 1e-6) -> Tens
 def remax_advantages(rewards: Tensor, greedy_rewards: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     r"""ReMax advantages (Li et al. 2024): the reward of the prompt's greedy response is the baseline.
 
-    Shapes: ``rewards`` [P, G] (any G >= 1), ``greedy_rewards`` [P] (the reward of one greedy, temperature-0
-    response per prompt, decoded by the controller and scored like the samples) -> [P, G]::
+    Shapes: ``rewards`` [P, G] (any P >= 1, G >= 1), ``greedy_rewards`` [P] (the reward of one greedy,
+    temperature-0 response per prompt, decoded by the controller and scored like the samples) -> [P, G]::
 
         A[p, g] = r[p, g] - greedy_rewards[p]
 
-    No scaling, no ``eps`` (accepted and unused). The greedy responses are only a baseline: they are not
-    trained on. Raises `ValueError` if ``greedy_rewards`` is missing, mis-shaped or not finite.
+    No group or batch statistic (no mean, no std, no whitening), no scaling and no ``eps`` (accepted and
+    unused), as in the ReMax paper: each advantage depends only on its own reward and its prompt's greedy
+    reward, so any batch size works, a single response included (``[[1.0]]`` with greedy ``[0.5]`` -> ``[[0.5]]``).
+    The greedy responses are only a baseline: they are not trained on. Raises `ValueError` if
+    ``greedy_rewards`` is missing, mis-shaped or not finite.
     """
     del eps
     r = _check_group_rewards(rewards, min_group=1)

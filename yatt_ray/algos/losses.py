@@ -31,10 +31,20 @@ from torch import Tensor
 
 from yatt_ray.algos.registry import POLICY_LOSSES
 
-__all__ = ["RATIO_LOG_CLAMP", "cispo_loss", "clipped_value_loss", "gspo_loss", "ppo_clip_loss"]
+__all__ = [
+    "GSPO_LOG_RATIO_CLAMP",
+    "RATIO_LOG_CLAMP",
+    "cispo_loss",
+    "clipped_value_loss",
+    "gspo_loss",
+    "ppo_clip_loss",
+]
 
 RATIO_LOG_CLAMP = 20.0
 """The log importance ratio is clamped to [-20, 20] before ``exp``, so the ratio lies in [2e-9, 4.9e8]."""
+
+GSPO_LOG_RATIO_CLAMP = 10.0
+"""GSPO's sequence log-ratio is clamped to [-10, 10] (ratio in [4.5e-5, 2.2e4]), value and gradient; see `gspo_loss`."""
 
 
 def _check_inputs(
@@ -147,8 +157,11 @@ def gspo_loss(
 
     What is computed here is the per-token form whose value *and* gradient equal that::
 
-        s[i, t] = sg(s_i) * exp(logp[i, t] - sg(logp[i, t]))     # value s_i; d s[i, t] / d logp[i, t] = s_i
+        m_i     = sg( (1 / |y_i|) * sum_{t in y_i} (logp[i, t] - old_logp[i, t]) )     # log s_i, detached
+        s[i, t] = exp( clamp(m_i + logp[i, t] - sg(logp[i, t]), -10, 10) )      # value exp(clamp(m_i))
         loss[i, t] = -min(s[i, t] * A[i, t], clip(s[i, t], 1 - clip_low, 1 + clip_high) * A[i, t])
+
+    Inside the clamp (|m_i| <= 10) ``s[i, t]`` has value s_i and ``d s[i, t] / d logp[i, t] = s_i``.
 
     (``sg`` = stop-gradient / ``detach``.) When ``A[i, t] = A_i`` on every token of row i (an outcome
     advantage broadcast with `broadcast_to_tokens`), averaging ``loss`` over each sequence's tokens and then
@@ -159,9 +172,17 @@ def gspo_loss(
 
     Clip ranges: the ratio is a per-token geometric mean, so it stays very close to 1; the GSPO paper uses
     clip_low = 3e-4 and clip_high = 4e-4 (the defaults here), two to three orders of magnitude below PPO's
-    0.2. Numerics: mask-0 positions are excluded from the mean (their logp may be anything, even inf); the
-    sequence log-ratio is clamped to [-20, 20] (`RATIO_LOG_CLAMP`); a row with no mask-1 token gets s = 1.
-    Computed in at least float32.
+    0.2. Numerics: mask-0 positions are excluded from the mean (their logp may be anything, even inf); a row
+    with no mask-1 token gets s = 1. Computed in at least float32.
+
+    Clamp (`GSPO_LOG_RATIO_CLAMP` = 10): ``torch.clamp`` is applied to the log-ratio *with* its gradient path
+    (``m_i + logp - sg(logp)``), so it bounds the gradient as well as the value: a row with |m_i| > 10 has
+    ratio exp(+-10) and zero gradient, and its per-token loss is bounded by ``exp(10) * |A| = 22026.47 |A|``.
+    (Clamping only the detached ``m_i`` would bound the value while still passing the gradient s_i of the
+    unclamped ratio.) The paper states no clamp; a geometric-mean ratio beyond e^10 is ~10^7 times outside
+    its clip range, and with A < 0 PPO-style clipping never caps it (the unclipped term is the minimum), so
+    without the clamp such a row's loss and gradient grow as e^{m_i}. 10 is also the clamp verl's GSPO uses
+    (on the upper side; here it is symmetric, which changes the loss by at most e^-10 |A| per token).
 
     ``stats`` (detached, [B, T]): ``"ratio"`` (s_i on every token of row i) and ``"clipped"`` (1.0 where the
     clipped term is strictly the smaller objective: no gradient).
@@ -179,14 +200,17 @@ def gspo_loss(
     old = torch.where(mask, old_logp.to(dtype), zero)
     n_tokens = mask.sum(dim=1, keepdim=True).clamp_min(1).to(dtype)
     seq_log_ratio = ((lp - old).sum(dim=1, keepdim=True) / n_tokens).detach()
-    seq_log_ratio = seq_log_ratio.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
-    ratio = torch.exp(seq_log_ratio + (lp - lp.detach()))  # value s_i, gradient s_i * d logp
+    # clamp *after* adding the gradient path, so that outside the bounds the gradient is 0, not s_i
+    log_ratio = torch.clamp(seq_log_ratio + (lp - lp.detach()), -GSPO_LOG_RATIO_CLAMP, GSPO_LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # value exp(clamp(m_i)); gradient s_i * d logp inside the clamp, else 0
     adv = advantages.to(dtype)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)
     stats = {
-        "ratio": torch.exp(seq_log_ratio).expand_as(loss).detach(),
+        "ratio": torch.exp(seq_log_ratio.clamp(-GSPO_LOG_RATIO_CLAMP, GSPO_LOG_RATIO_CLAMP))
+        .expand_as(loss)
+        .detach(),
         "clipped": (clipped < unclipped).to(dtype).detach(),
     }
     return loss, stats
