@@ -59,7 +59,7 @@ class Layout:
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point: build the group's roles, run the steps, report the final checkpoint."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
-    from yatt_ray.checkpoint.control import run_guarded
+    from yatt_ray.run_control import run_guarded
 
     run_guarded(loop_config.get("control"), lambda: GroupController(loop_config).run())
 
@@ -158,12 +158,16 @@ class GroupController:
 
     def _init_checkpoints(self, loop_config: dict) -> None:
         """Resume from the newest valid checkpoint (or start fresh), then open the prompt streams there."""
-        from yatt_ray.checkpoint.prompts import PromptFeed, open_splits, share_splits
-        from yatt_ray.checkpoint.training import TrainingCheckpoints
+        from yatt_ray.checkpoint.training import TrainingCheckpoints, TrainState
+        from yatt_ray.data.feed import PromptFeed, open_splits, share_splits
 
         control, rank0 = loop_config["control"], self.layout.rank == 0
-        self.checkpoints = TrainingCheckpoints(self.config, self.layout, control)
-        self.resumed = self.checkpoints.resume(self)
+        self.checkpoints = TrainingCheckpoints(self.config, self.layout, control, self.hub)
+        self.state = TrainState(self.policy, self.critic, feed=None, kl_coef=lambda: self.kl_ctl.value)
+        self.resumed = self.checkpoints.resume(self.state)
+        if self.resumed is not None:
+            self.kl_ctl.value = self.resumed.kl_coef
+            self.sync_weights()  # the rollout engine generates with the restored policy
         epoch, consumed = (self.resumed.epoch, self.resumed.consumed) if self.resumed else (0, [])
         dataset = loop_config["train_dataset"]
         splits = share_splits(open_splits(dataset, self.layout.dp_size, consumed) if rank0 else None)
@@ -173,14 +177,14 @@ class GroupController:
             rest = splits["rest"][dp] if splits["rest"] is not None else None
             carried = consumed if dp == 0 else []  # the checkpoint's union, kept by one group
             self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
-            self.prompt_stream = self.prompt_feed
+            self.state.feed = self.prompt_feed
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
         start = step = self.resumed.step if self.resumed else 0
         if self.resumed is not None and self.layout.rank == 0:
-            self.checkpoints.announce(self.resumed, self.hub)
+            self.checkpoints.announce(self.resumed)
         first_eval = self.evaluate() if self.resumed is None else {}
         if first_eval:
             self._push({"step": 0, **first_eval})
@@ -191,12 +195,12 @@ class GroupController:
             if self.layout.is_controller:
                 feed = self.prompt_feed
                 self.checkpoints.log_prompts(step, self.attempt, feed.last_ids, feed.epoch)
-            if self.checkpoints.after_step(step, self):
+            if self.checkpoints.after_step(step, self.state):
                 break  # asked to stop: the checkpoint of this step is committed
         final_eval = self.evaluate() if self.checkpoints.stop_reason is None else {}
         if final_eval:
             self._push({"step": cfg.train.steps, **final_eval})
-        self.checkpoints.finish(step, self)
+        self.checkpoints.finish(step, self.state)
         self._report_final({**last, **final_eval})
 
     def step(self, step: int) -> dict[str, float]:
@@ -269,7 +273,7 @@ class GroupController:
         In partial coexistence each prompt's samples are sent to the GenRM as soon as they are generated.
         """
         cfg = self.config
-        rows = next(self.prompt_stream)
+        rows = next(self.prompt_feed)
         encoded = [self.tokenizer(str(p))["input_ids"] for p in rows["prompt"]]
         prompt_ids = [self._clip_prompt(ids) for ids in encoded]
         spec = SamplingSpec(
