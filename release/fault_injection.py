@@ -28,7 +28,7 @@ faults:
                  sample gets a verdict;
 * dpchange:      a 4-step run on 2 workers resumed on 1 worker.
 
-The audit (`yatt_ray.checkpoint.drills.prompt_audit`) checks both directions of exactly-once from the
+The audit (`yatt_ray.testing.drills.prompt_audit`) checks both directions of exactly-once from the
 per-step prompt-id log and the newest checkpoint: nothing lost (a prompt counted as consumed that no
 surviving step trained on), nothing duplicated (a prompt trained twice in one epoch, or trained before the
 checkpoint but missing from its data position, so that a continued run would train it again). It prints a
@@ -51,15 +51,15 @@ from pathlib import Path
 
 import yatt_ray
 from yatt_ray.checkpoint import CheckpointStore
-from yatt_ray.checkpoint.drills import (
+from yatt_ray.errors import YattError
+from yatt_ray.testing.drills import (
     committed_steps,
     corrupt_checkpoint,
     kill_training_worker,
     prompt_audit,
     when,
 )
-from yatt_ray.checkpoint.faults import FAIL_WRITES
-from yatt_ray.errors import YattError
+from yatt_ray.testing.faults import FAIL_WRITES
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, PROMPTS = 6, 8

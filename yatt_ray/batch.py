@@ -1,26 +1,85 @@
-"""Pack prompts and their sampled responses into the padded tensors the trainer consumes.
+"""One group's rollout batch: the padded tensors the trainer consumes, and what each phase of a step adds.
 
-Layout for N samples, prompts left-padded to width P and responses right-padded to width R:
+Layout for N samples (a prompt's `group_size` samples adjacent), prompts left-padded to width P and responses
+right-padded to width R:
 
     input_ids       [N, P + R]   <pad>.. prompt | response ..<pad>
     attention_mask  [N, P + R]   1 on real tokens
     response_mask   [N, R]       1 on real response tokens
     rollout_logp    [N, R]       the engine's log-probability of each sampled token (0 on padding)
 
-The policy's log-probs `logp[:, t]` score token t+1, so the response part is `logp[:, P-1:]` ([N, R]).
+The policy's per-position outputs `out[:, t]` ([N, P + R - 1]) score token t+1, so their response part is
+`out[:, P-1:]` ([N, R]): `RolloutBatch.response(out)`.
+
+Fields filled by later phases (None until then): reward: `rewards` [N] (and `greedy_rewards` [N / group_size]
+for ReMax's baseline); log-probs: `old_logp`, `ref_logp`, `values`, `tis_weights` [N, R]; advantages:
+`advantages`, `returns` [N, R].
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from dataclasses import dataclass, field
 
-from yatt_ray.models.tiny import PAD_ID
+import torch
+from torch import Tensor
+
+ROW_FIELDS = (
+    "input_ids", "attention_mask", "response_mask", "rollout_logp", "rewards",
+    "old_logp", "ref_logp", "values", "tis_weights", "advantages", "returns",
+)  # fmt: skip
+
+
+@dataclass
+class RolloutBatch:
+    """One group's samples through the step (shapes in the module docstring)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    rollout_logp: Tensor
+    prompt_width: int
+    group_size: int
+    rewards: Tensor | None = None
+    greedy_rewards: Tensor | None = None
+    old_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    values: Tensor | None = None
+    tis_weights: Tensor | None = None
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+    truncated: int = 0  # responses cut at rollout.max_new_tokens
+    prompts_clipped: int = 0  # prompts longer than data.max_prompt_tokens (kept their last tokens)
+    counters: dict[str, float] = field(default_factory=dict)  # the controller's GenRM and memory counters
+
+    @property
+    def size(self) -> int:
+        """N, the number of samples."""
+        return int(self.input_ids.shape[0])
+
+    def response(self, per_position: Tensor) -> Tensor:
+        """The response part [N, R] of a per-position output [N, P + R - 1] (log-probs, entropies, values)."""
+        return per_position[:, self.prompt_width - 1 :]
+
+    def rows(self, index: Tensor) -> RolloutBatch:
+        """The samples at `index` (a mini-batch); per-prompt fields (`greedy_rewards`) are dropped."""
+        picked = {name: getattr(self, name)[index] for name in ROW_FIELDS if getattr(self, name) is not None}
+        return dataclasses.replace(self, greedy_rewards=None, **picked)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The per-sample tensors that are set, by name: what the trainer's micro-batches slice."""
+        return {name: getattr(self, name) for name in ROW_FIELDS if getattr(self, name) is not None}
 
 
 def pack(
-    prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_id: int = PAD_ID
-):
-    """Padded tensors (dict, see module docstring) and the prompt width P."""
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    logprobs: list[list[float]],
+    pad_id: int,
+    group_size: int = 1,
+) -> RolloutBatch:
+    """The padded tensors of `prompts[i]` + `responses[i]` (see the module docstring); `pad_id` is the
+    tokenizer's (padding is masked out everywhere, so any id in the vocabulary works)."""
     if not (len(prompts) == len(responses) == len(logprobs)):
         raise ValueError(
             f"pack: {len(prompts)} prompts, {len(responses)} responses, {len(logprobs)} logprob lists"
@@ -40,10 +99,4 @@ def pack(
             attention_mask[i, width_p : width_p + len(r)] = 1
             response_mask[i, : len(r)] = 1.0
             rollout_logp[i, : len(r)] = torch.tensor(lp, dtype=torch.float32)
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "rollout_logp": rollout_logp,
-    }
-    return batch, width_p
+    return RolloutBatch(input_ids, attention_mask, response_mask, rollout_logp, width_p, group_size)

@@ -29,14 +29,14 @@ from yatt_ray.algos import (
     masked_whiten,
     tis_weights,
 )
-from yatt_ray.batch import pack
+from yatt_ray.batch import RolloutBatch, pack
 from yatt_ray.config import Config
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
 from yatt_ray.rollout.base import SamplingSpec
-from yatt_ray.step import StepInputs, compute_advantages, policy_loss_fn, reduce_metrics, value_loss_fn
+from yatt_ray.step import compute_advantages, policy_loss_fn, reduce_metrics, value_loss_fn
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Layout:
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point: build the group's roles, run the steps, report the final checkpoint."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
-    from yatt_ray.checkpoint.control import run_guarded
+    from yatt_ray.run_control import run_guarded
 
     run_guarded(loop_config.get("control"), lambda: GroupController(loop_config).run())
 
@@ -155,15 +155,21 @@ class GroupController:
         eval_shards = loop_config.get("eval_shards")
         self.eval_shard = eval_shards[dp] if eval_shards else None
         self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))  # masked out anyway
 
     def _init_checkpoints(self, loop_config: dict) -> None:
         """Resume from the newest valid checkpoint (or start fresh), then open the prompt streams there."""
-        from yatt_ray.checkpoint.prompts import PromptFeed, open_splits, share_splits
-        from yatt_ray.checkpoint.training import TrainingCheckpoints
+        from yatt_ray.checkpoint.training import TrainingCheckpoints, TrainState
+        from yatt_ray.data.feed import PromptFeed, open_splits, share_splits
 
         control, rank0 = loop_config["control"], self.layout.rank == 0
-        self.checkpoints = TrainingCheckpoints(self.config, self.layout, control)
-        self.resumed = self.checkpoints.resume(self)
+        self.checkpoints = TrainingCheckpoints(self.config, self.layout, control, self.hub)
+        self.state = TrainState(self.policy, self.critic, feed=None, kl_coef=lambda: self.kl_ctl.value)
+        self.resumed = self.checkpoints.resume(self.state)
+        if self.resumed is not None:
+            self.kl_ctl.value = self.resumed.kl_coef
+            self.sync_weights()  # the rollout engine generates with the restored policy
         epoch, consumed = (self.resumed.epoch, self.resumed.consumed) if self.resumed else (0, [])
         dataset = loop_config["train_dataset"]
         splits = share_splits(open_splits(dataset, self.layout.dp_size, consumed) if rank0 else None)
@@ -173,14 +179,14 @@ class GroupController:
             rest = splits["rest"][dp] if splits["rest"] is not None else None
             carried = consumed if dp == 0 else []  # the checkpoint's union, kept by one group
             self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
-            self.prompt_stream = self.prompt_feed
+            self.state.feed = self.prompt_feed
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
         start = step = self.resumed.step if self.resumed else 0
         if self.resumed is not None and self.layout.rank == 0:
-            self.checkpoints.announce(self.resumed, self.hub)
+            self.checkpoints.announce(self.resumed)
         first_eval = self.evaluate() if self.resumed is None else {}
         if first_eval:
             self._push({"step": 0, **first_eval})
@@ -191,12 +197,12 @@ class GroupController:
             if self.layout.is_controller:
                 feed = self.prompt_feed
                 self.checkpoints.log_prompts(step, self.attempt, feed.last_ids, feed.epoch)
-            if self.checkpoints.after_step(step, self):
+            if self.checkpoints.after_step(step, self.state):
                 break  # asked to stop: the checkpoint of this step is committed
         final_eval = self.evaluate() if self.checkpoints.stop_reason is None else {}
         if final_eval:
             self._push({"step": cfg.train.steps, **final_eval})
-        self.checkpoints.finish(step, self)
+        self.checkpoints.finish(step, self.state)
         self._report_final({**last, **final_eval})
 
     def step(self, step: int) -> dict[str, float]:
@@ -212,17 +218,17 @@ class GroupController:
         with timer.phase("rollout", busy=self.layout.is_controller):
             rollout = self._rollout(step) if self.layout.is_controller else None
         with timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
-            local = self._score(*rollout) if rollout is not None else None
+            scored = self._score(*rollout) if rollout is not None else None
         if self.offload:
             with timer.phase("offload"):
                 self._move_trainers("onload")
-        local = self._broadcast_in_group(local)
+        batch = self._broadcast_in_group(scored)
         with timer.phase("logprobs"):
-            self._old_log_probs_and_values(local)
+            self._old_log_probs_and_values(batch)
         whiten = partial(masked_whiten, all_reduce=lambda t: dist.all_reduce(t, group=self.dp_group))
-        local.batch.update(compute_advantages(local, cfg, self.kl_ctl.value, whiten=whiten))
+        compute_advantages(batch, cfg.algo, self.kl_ctl.value, whiten=whiten)
         with timer.phase("train"):
-            train_stats = self._update(local, step)
+            train_stats = self._update(batch, step)
         with timer.phase("weight_sync"):
             if self._policy_moves(step):
                 self.sync_weights()
@@ -230,7 +236,7 @@ class GroupController:
         wall = time.perf_counter() - start
         compute = sum(times[p] for p in ("rollout", "reward", "logprobs", "train"))
         times.update(step=wall, other=max(wall - sum(times.values()), 0.0), orchestration=wall - compute)
-        metrics = reduce_metrics(step, local, train_stats, times, self.layout.is_controller, cfg.algo)
+        metrics = reduce_metrics(step, batch, train_stats, times, self.layout.is_controller, cfg.algo)
         metrics["kl_coef"] = self.kl_ctl.value
         if "kl_per_sequence" in metrics and self._policy_moves(step):  # no KL to track while frozen
             self.kl_ctl.update(metrics["kl_per_sequence"], n_steps=int(metrics["samples"]))
@@ -263,13 +269,13 @@ class GroupController:
         """False during the critic's warm-up steps, when only the value model trains."""
         return step > self.config.critic.warmup_steps
 
-    def _rollout(self, step: int) -> tuple[StepInputs, list[Sample], list[Sample]]:
+    def _rollout(self, step: int) -> tuple[RolloutBatch, list[Sample], list[Sample]]:
         """Generate the group's samples; returns the batch and what scoring needs (samples, greedy samples).
 
         In partial coexistence each prompt's samples are sent to the GenRM as soon as they are generated.
         """
         cfg = self.config
-        rows = next(self.prompt_stream)
+        rows = next(self.prompt_feed)
         encoded = [self.tokenizer(str(p))["input_ids"] for p in rows["prompt"]]
         prompt_ids = [self._clip_prompt(ids) for ids in encoded]
         spec = SamplingSpec(
@@ -307,66 +313,58 @@ class GroupController:
         greedy_samples = [x for i, g in enumerate(greedy or []) for x in samples_of(i, g, tag="g")]
         flat = [c for group in completions for c in group]
         prompts = [p for p in prompt_ids for _ in range(cfg.rollout.n)]
-        batch, width = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat])
-        local = StepInputs(
-            batch=batch,
-            prompt_width=width,
-            texts=[x.response for x in samples],
-            ground_truths=[x.ground_truth for x in samples],
-            sources=[x.data_source for x in samples],
-            n=cfg.rollout.n,
-            truncated=sum(c.finish_reason == "length" for c in flat),
-            prompts_clipped=sum(len(ids) > self.config.data.max_prompt_tokens for ids in encoded),
-            greedy_texts=[x.response for x in greedy_samples] if greedy else None,
+        batch = pack(
+            prompts, [c.token_ids for c in flat], [c.logprobs for c in flat], self.pad_id, cfg.rollout.n
         )
-        return local, samples, greedy_samples
+        batch.truncated = sum(c.finish_reason == "length" for c in flat)
+        batch.prompts_clipped = sum(len(ids) > self.config.data.max_prompt_tokens for ids in encoded)
+        return batch, samples, greedy_samples
 
-    def _score(self, local: StepInputs, samples: list[Sample], greedy: list[Sample]) -> StepInputs:
+    def _score(self, batch: RolloutBatch, samples: list[Sample], greedy: list[Sample]) -> RolloutBatch:
         """Rewards for every sample (and the greedy responses when the estimator needs them): rules here,
         GenRM verdicts from the Serve deployment (already judging in partial coexistence)."""
         self.scorer.submit(greedy if self.stream_to_genrm else samples + greedy)
-        local.rewards = torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
+        batch.rewards = torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
         if greedy:
-            local.greedy_rewards = torch.tensor(self.scorer.scores(greedy), dtype=torch.float32)
-        local.counters = {**self.scorer.take_stats(), **self.memory}
-        return local
+            batch.greedy_rewards = torch.tensor(self.scorer.scores(greedy), dtype=torch.float32)
+        batch.counters = {**self.scorer.take_stats(), **self.memory}
+        return batch
 
-    def _old_log_probs_and_values(self, local: StepInputs) -> None:
+    def _old_log_probs_and_values(self, batch: RolloutBatch) -> None:
         """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens."""
-        cfg, b, width, batching = self.config, local.batch, local.prompt_width, self.batching
-        ids, mask = b["input_ids"], b["attention_mask"]
-        b["old_logp"] = self.policy.log_probs(ids, mask, **batching)[0][:, width - 1 :]
+        cfg, batching = self.config, self.batching
+        ids, mask = batch.input_ids, batch.attention_mask
+        batch.old_logp = batch.response(self.policy.log_probs(ids, mask, **batching)[0])
         if cfg.algo.kl_coef > 0:
-            b["ref_logp"] = self.policy.log_probs(ids, mask, reference=True, **batching)[0][:, width - 1 :]
+            batch.ref_logp = batch.response(self.policy.log_probs(ids, mask, reference=True, **batching)[0])
         if self.critic is not None:
-            b["values"] = self.critic.values(ids, mask, **batching)[:, width - 1 :]
+            batch.values = batch.response(self.critic.values(ids, mask, **batching))
         if cfg.algo.tis_cap is not None:
-            b["tis_weights"] = tis_weights(b["old_logp"], b["rollout_logp"], cfg.algo.tis_cap)
+            batch.tis_weights = tis_weights(batch.old_logp, batch.rollout_logp, cfg.algo.tis_cap)
 
-    def _update(self, local: StepInputs, step: int) -> dict[str, float]:
+    def _update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """Critic step (when there is one), then the policy: `algo.ppo_epochs` passes over the batch, each
         in `algo.ppo_mini_batches` optimizer steps (after the first, the importance ratio moves away from 1
         and the PPO clip binds). Metrics are averaged over the optimizer steps."""
-        cfg, b, width, batching = self.config, local.batch, local.prompt_width, self.batching
+        cfg, width, batching = self.config, batch.prompt_width, self.batching
         stats: dict[str, float] = {}
         if self.critic is not None:
-            global_tokens = self._dp_sum(b["response_mask"].sum())
+            global_tokens = self._dp_sum(batch.response_mask.sum())
             critic_loss = value_loss_fn(cfg.critic.value_clip, width, global_tokens)
-            critic_stats = self.critic.train_step(b, critic_loss, **batching)
+            critic_stats = self.critic.train_step(batch.tensors(), critic_loss, **batching)
             stats.update({k if k.startswith("value") else f"critic/{k}": v for k, v in critic_stats.items()})
         if not self._policy_moves(step):
             return stats
         steps: list[dict[str, float]] = []
-        rows = b["response_mask"].shape[0]
         for _ in range(cfg.algo.ppo_epochs):
-            for chunk in torch.arange(rows).chunk(cfg.algo.ppo_mini_batches):
-                mini = {k: v[chunk] for k, v in b.items()}
-                global_tokens = self._dp_sum(mini["response_mask"].sum())
-                global_seqs = self._dp_sum(torch.tensor(float(len(chunk))))
+            for chunk in torch.arange(batch.size).chunk(cfg.algo.ppo_mini_batches):
+                mini = batch.rows(chunk)
+                global_tokens = self._dp_sum(mini.response_mask.sum())
+                global_seqs = self._dp_sum(torch.tensor(float(mini.size)))
                 loss_fn = policy_loss_fn(
                     cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens
                 )
-                steps.append(self.policy.train_step(mini, loss_fn, **batching))
+                steps.append(self.policy.train_step(mini.tensors(), loss_fn, **batching))
         stats.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
         return stats
 
@@ -379,13 +377,13 @@ class GroupController:
         return ids[-limit:] if len(ids) > limit else ids
 
     # ---- collectives ------------------------------------------------------------------------------
-    def _broadcast_in_group(self, local: StepInputs | None) -> StepInputs:
+    def _broadcast_in_group(self, batch: RolloutBatch | None) -> RolloutBatch:
         if self.layout.tp_size > 1:
-            box = [local]
+            box = [batch]
             dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
-            local = box[0]
-        assert local is not None, "the group's controller always sends a batch"
-        return local
+            batch = box[0]
+        assert batch is not None, "the group's controller always sends a batch"
+        return batch
 
     def _dp_sum(self, value: torch.Tensor) -> float:
         total = value.detach().to(torch.float64).reshape(1).clone()

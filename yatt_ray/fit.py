@@ -33,7 +33,9 @@ class Result:
     output_dir: str = ""
     checkpoint_dir: str = ""  # the run's checkpoints (`checkpoint.dir`)
     steps_redone: int = 0  # training steps run again after restarts from a checkpoint
-    stopped: str | None = None  # why the run saved and stopped before train.steps ("SIGTERM", "SIGINT"), else None
+    stopped: str | None = (
+        None  # why the run saved and stopped before train.steps ("SIGTERM", "SIGINT"), else None
+    )
 
     def metric(self, key: str) -> list[float]:
         """The values of `key` over the training steps (rows that carry it), in step order."""
@@ -214,11 +216,11 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, out
     """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     import ray
 
-    from yatt_ray.checkpoint.control import start_control
-    from yatt_ray.checkpoint.driver import StopOnSignal, abort_training, one_curve
+    from yatt_ray.metrics.history import one_curve
     from yatt_ray.metrics.hub import start_hub
     from yatt_ray.progress import DriverProgress
     from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
+    from yatt_ray.run_control import StopOnSignal, abort_training, start_control
 
     hub, control = start_hub(), start_control()
     trainer = _trainer(config, plan, files, real_gpus, output_dir, {"hub": hub, "control": control})
@@ -284,7 +286,7 @@ def _trainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
-            "train_dataset": build_dataset(config.data, files["train"]),  # split in checkpoint/prompts.py
+            "train_dataset": build_dataset(config.data, files["train"]),  # split in data/feed.py
             "eval_shards": eval_shards,
             **actors,
         },

@@ -6,7 +6,6 @@ Kept apart from the controller so that each piece is a small function with tenso
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,69 +14,40 @@ from yatt_ray.algos import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     aggregate,
-    broadcast_to_tokens,
     clipped_value_loss,
+    estimate_advantages,
     kl_estimate,
     masked_whiten,
-    token_rewards_from_outcome,
 )
-from yatt_ray.config import AlgoConfig, Config
-
-
-@dataclass
-class StepInputs:
-    """One group's rollout: the packed batch (see yatt_ray.batch), decoded texts and their rewards [N].
-
-    ReMax adds `greedy_rewards` [P]: the reward of one greedy response per prompt.
-    """
-
-    batch: dict[str, torch.Tensor]
-    prompt_width: int
-    texts: list[str]
-    ground_truths: list[str]
-    sources: list[str]
-    n: int
-    truncated: int = 0
-    prompts_clipped: int = 0
-    rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    greedy_rewards: torch.Tensor | None = None
-    greedy_texts: list[str] | None = None
-    counters: dict[str, float] = field(default_factory=dict)  # GenRM and memory counters of the controller
-
-    def scoring_inputs(self):
-        return zip(self.texts, self.ground_truths, self.sources)
+from yatt_ray.batch import RolloutBatch
+from yatt_ray.config import AlgoConfig
 
 
 def compute_advantages(
-    inputs: StepInputs, config: Config, kl_coef: float, whiten: Callable = masked_whiten
-) -> dict[str, torch.Tensor]:
-    """Per-token advantages [N, R] (and, for GAE, the critic's returns [N, R]) for one group's batch.
+    batch: RolloutBatch, algo: AlgoConfig, kl_coef: float, whiten: Callable = masked_whiten
+) -> None:
+    """Fill `batch.advantages` [N, R] (and, for GAE, the critic's `batch.returns` [N, R]).
 
-    Outcome estimators (grpo, rloo, reinforce_pp, remax) turn rewards [N] (a prompt's n samples adjacent)
-    into one advantage per sample, broadcast over its response tokens. GAE places the outcome reward on the
-    last response token and runs over the critic's values; its advantages are whitened with `whiten`
-    (the controller passes one with statistics over every data-parallel group's tokens). With
-    `algo.kl_in_reward`, the per-token KL to the reference is a reward penalty:
-    r_t -= kl_coef * KL_t (GAE), or r -= kl_coef * sum_t KL_t (outcome estimators). For REINFORCE++ that
-    is a departure from its paper, which places the KL on each token and takes the reward-to-go.
+    Outcome estimators (grpo, rloo, reinforce_pp, remax) turn rewards [N] into one advantage per sample,
+    broadcast over its response tokens. GAE places the outcome reward on the last response token and runs
+    over the critic's values; its advantages are whitened with `whiten` (the controller passes one with
+    statistics over every data-parallel group's tokens). With `algo.kl_in_reward`, the per-token KL to the
+    reference is a reward penalty: r_t -= kl_coef * KL_t (GAE), or r -= kl_coef * sum_t KL_t (outcome
+    estimators). For REINFORCE++ that is a departure from its paper, which places the KL on each token and
+    takes the reward-to-go.
     """
-    algo, batch = config.algo, inputs.batch
-    mask = batch["response_mask"]
+    assert batch.rewards is not None, "the reward phase runs before the advantages"
     estimator = ADVANTAGE_ESTIMATORS.get(algo.estimator)
     kl = None
     if algo.kl_in_reward and kl_coef > 0:
-        kl = kl_estimate(batch["old_logp"], batch["ref_logp"], algo.kl_estimator)
-    if estimator.token_level:
-        token_rewards = token_rewards_from_outcome(inputs.rewards, mask, kl, kl_coef)
-        advantages, returns = estimator.fn(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
-        return {"advantages": whiten(advantages, mask), "returns": returns}
-    rewards = inputs.rewards if kl is None else inputs.rewards - kl_coef * (kl * mask).sum(-1)
-    groups = rewards.reshape(-1, config.rollout.n)  # [P, n]
-    if estimator.needs_greedy_baseline:
-        seq_adv = estimator.fn(groups, inputs.greedy_rewards)
-    else:
-        seq_adv = estimator.fn(groups)
-    return {"advantages": broadcast_to_tokens(seq_adv.reshape(-1), mask)}
+        assert batch.old_logp is not None and batch.ref_logp is not None
+        kl = kl_estimate(batch.old_logp, batch.ref_logp, algo.kl_estimator)
+    advantages, returns = estimate_advantages(
+        estimator, batch.rewards, batch.response_mask, group_size=batch.group_size, values=batch.values,
+        greedy_rewards=batch.greedy_rewards, kl=kl, kl_coef=kl_coef, gamma=algo.gamma, lam=algo.lam,
+    )  # fmt: skip
+    batch.advantages = whiten(advantages, batch.response_mask) if estimator.token_level else advantages
+    batch.returns = returns
 
 
 def policy_loss_fn(
@@ -99,17 +69,16 @@ def policy_loss_fn(
     """
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
     kl_in_loss = kl_coef > 0 and not algo.kl_in_reward
+    options: dict = {} if algo.dual_clip is None else {"dual_clip": algo.dual_clip}
 
     def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
+        """`mb`: a micro-batch of `RolloutBatch.tensors()` (old_logp and advantages set)."""
         lp, ent = logp[:, prompt_width - 1 :], entropy[:, prompt_width - 1 :]
         mask = mb["response_mask"]
-        options: dict = {"response_mask": mask}
-        if algo.dual_clip is not None:
-            options["dual_clip"] = algo.dual_clip
         pg, stats = policy_loss(
-            lp, mb["old_logp"], mb["advantages"], algo.clip_low, algo.clip_high, **options
+            lp, mb["old_logp"], mb["advantages"], algo.clip_low, algo.clip_high, response_mask=mask, **options
         )
-        if "tis_weights" in mb:
+        if algo.tis_cap is not None:
             pg = pg * mb["tis_weights"]
         per_token = pg - algo.entropy_coef * ent
         share = {"pg_loss": pg.detach(), "entropy": ent.detach(), "clipfrac": stats["clipped"]}
@@ -153,27 +122,25 @@ _SUMS = (
 )  # fmt: skip
 
 
-def local_sums(inputs: StepInputs, algo: AlgoConfig) -> torch.Tensor:
+def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
     """This group's additive statistics, in the order of _SUMS (token sums over the response mask)."""
-    b = inputs.batch
-    mask = b["response_mask"]
-    prompt_tokens = b["attention_mask"][:, : inputs.prompt_width].sum()
-    diff = ((b["old_logp"] - b["rollout_logp"]).abs() * mask).sum()
-    kl = (
-        (kl_estimate(b["old_logp"], b["ref_logp"], algo.kl_estimator) * mask).sum()
-        if "ref_logp" in b
-        else 0.0
-    )
-    greedy = inputs.greedy_rewards.sum() if inputs.greedy_rewards is not None else 0.0
+    assert batch.rewards is not None and batch.old_logp is not None
+    mask = batch.response_mask
+    prompt_tokens = batch.attention_mask[:, : batch.prompt_width].sum()
+    diff = ((batch.old_logp - batch.rollout_logp).abs() * mask).sum()
+    kl: float | torch.Tensor = 0.0
+    if batch.ref_logp is not None:
+        kl = (kl_estimate(batch.old_logp, batch.ref_logp, algo.kl_estimator) * mask).sum()
+    greedy = batch.greedy_rewards.sum() if batch.greedy_rewards is not None else 0.0
     values: list[float | int | torch.Tensor] = [
-        inputs.rewards.sum(),
-        (inputs.rewards >= 1.0).sum(),
-        len(inputs.texts),
+        batch.rewards.sum(),
+        (batch.rewards >= 1.0).sum(),
+        batch.size,
         mask.sum(),
         prompt_tokens,
-        inputs.truncated,
+        batch.truncated,
         diff,
-        inputs.prompts_clipped,
+        batch.prompts_clipped,
         kl,
         greedy,
     ]
@@ -182,7 +149,7 @@ def local_sums(inputs: StepInputs, algo: AlgoConfig) -> torch.Tensor:
 
 def reduce_metrics(
     step: int,
-    inputs: StepInputs,
+    batch: RolloutBatch,
     train_stats: dict[str, float],
     times: dict[str, float],
     is_controller: bool,
@@ -197,7 +164,7 @@ def reduce_metrics(
     "kl" is the mean per-token KL(pi_old || ref) with `algo.kl_estimator`; "kl_per_sequence" its sum over a
     response, averaged over samples (what an adaptive KL controller tracks).
     """
-    sums = local_sums(inputs, algo) if is_controller else torch.zeros(len(_SUMS), dtype=torch.float64)
+    sums = local_sums(batch, algo) if is_controller else torch.zeros(len(_SUMS), dtype=torch.float64)
     dist.all_reduce(sums)
     s = dict(zip(_SUMS, sums.tolist()))
     phase_names = sorted(times)
@@ -218,13 +185,13 @@ def reduce_metrics(
         "tokens_per_s": (s["response_tokens"] + s["prompt_tokens"]) / max(step_time, 1e-9),
         "time/step": step_time,
     }
-    if "ref_logp" in inputs.batch:
+    if batch.ref_logp is not None:
         metrics.update(kl=s["kl"] / tokens, kl_per_sequence=s["kl"] / samples)
-    if inputs.greedy_rewards is not None:
-        metrics["greedy_reward_mean"] = s["greedy_reward"] / (samples / inputs.n)
+    if batch.greedy_rewards is not None:
+        metrics["greedy_reward_mean"] = s["greedy_reward"] / (samples / batch.group_size)
     metrics.update({f"time/{k}": v for k, v in maxima.items()})
     metrics.update(train_stats)
-    metrics.update(_reduce_counters(inputs.counters, is_controller))
+    metrics.update(_reduce_counters(batch.counters, is_controller))
     return metrics
 
 

@@ -14,10 +14,10 @@ import torch
 
 from yatt_ray.checkpoint import AsyncCheckpointWriter, CheckpointError, CheckpointStore, load
 from yatt_ray.checkpoint.driver import check_checkpoints
-from yatt_ray.checkpoint.prompts import PromptFeed
 from yatt_ray.checkpoint.schedule import PreemptionFlag
 from yatt_ray.checkpoint.training import RUN_ENTRY, RUN_FORMAT, rank_url
 from yatt_ray.config import Config
+from yatt_ray.data.feed import PromptFeed
 from yatt_ray.errors import DataError, WorkerError
 
 

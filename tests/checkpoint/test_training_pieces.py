@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from yatt_ray.checkpoint import CheckpointStore
-from yatt_ray.checkpoint.faults import FAIL_WRITES
-from yatt_ray.checkpoint.history import RESUME_KEY, rewind_history
-from yatt_ray.checkpoint.prompts import ExcludeIds
 from yatt_ray.checkpoint.training import _split_step
 from yatt_ray.config import load_config
+from yatt_ray.data.feed import ExcludeIds
 from yatt_ray.errors import ConfigError
+from yatt_ray.metrics.history import RESUME_KEY, rewind_history
+from yatt_ray.testing.faults import FAIL_WRITES
 
 
 def test_rewind_keeps_the_redone_steps_last_version():
@@ -81,7 +81,7 @@ def test_resume_on_another_tensor_parallel_size_says_both_sizes(tmp_path):
 
     config = load_config(None, [f"checkpoint.dir={tmp_path}", "train.tp_size=2", "train.dp_size=1"])
     layout = Layout(rank=0, dp_rank=0, dp_size=1, tp_rank=0, tp_size=2)
-    checkpoints = TrainingCheckpoints(config, layout, control=None)
+    checkpoints = TrainingCheckpoints(config, layout, control=None, hub=None)
     with pytest.raises(CheckpointError, match=r"train.tp_size=1, this run has train.tp_size=2.*resume with"):
         checkpoints._check_layout({"tp_size": 1, "dp_size": 2, "world_size": 2}, str(tmp_path), 4)
     checkpoints._check_layout(

@@ -15,15 +15,15 @@ import pytest
 
 import yatt_ray
 from yatt_ray.checkpoint import CheckpointStore
-from yatt_ray.checkpoint.drills import (
+from yatt_ray.config import Config
+from yatt_ray.testing.drills import (
     committed_steps,
     corrupt_checkpoint,
     kill_training_worker,
     prompt_audit,
     when,
 )
-from yatt_ray.checkpoint.faults import FAIL_WRITES
-from yatt_ray.config import Config
+from yatt_ray.testing.faults import FAIL_WRITES
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +131,9 @@ def test_sigterm_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache,
     assert_each_prompt_once(ckpt, 8)
 
 
-def test_a_chain_of_resumes_on_changing_worker_counts_trains_each_prompt_once(ray_cluster, demo_cache, tmp_path):
+def test_a_chain_of_resumes_on_changing_worker_counts_trains_each_prompt_once(
+    ray_cluster, demo_cache, tmp_path
+):
     """2 steps on 2 workers, resumed to 4 on 1 worker, resumed again to 6 on 2: the newest checkpoint still
     counts every prompt of steps 1-6 as consumed (a resume used to forget the ones before it)."""
     ckpt = str(tmp_path / "ckpt")

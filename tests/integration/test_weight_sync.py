@@ -45,7 +45,8 @@ def test_engine_matches_trainer_after_step_and_sync(world, tmp_path):
     engine = VLLMEngine(model_dir, seed=0, max_model_len=64, kv_cache_gb=0.25)
     try:
         # one large step moves the weights far from the engine's copy
-        batch, width = pack(PROMPTS, [[10, 11, EOS_ID]] * 3, [[0.0] * 3] * 3)
+        packed = pack(PROMPTS, [[10, 11, EOS_ID]] * 3, [[0.0] * 3] * 3, pad_id=0)
+        batch, width = packed.tensors(), packed.prompt_width
 
         def loss_fn(logp, entropy, mb):
             return -(logp[:, width - 1 :] * mb["response_mask"]).sum() / 9.0, {}
@@ -68,7 +69,8 @@ def test_engine_matches_trainer_after_step_and_sync(world, tmp_path):
             assert out.token_ids == ref
         assert [o.token_ids for o in outs] != stale, "the step should have changed the greedy output"
 
-        batch, width = pack(PROMPTS, [o.token_ids for o in outs], [o.logprobs for o in outs])
+        packed = pack(PROMPTS, [o.token_ids for o in outs], [o.logprobs for o in outs], pad_id=0)
+        batch, width = packed.tensors(), packed.prompt_width
         logp, _ = policy.log_probs(batch["input_ids"], batch["attention_mask"], micro_batch_size=3)
         trainer = logp[:, width - 1 :] * batch["response_mask"]
         engine_lp = batch["rollout_logp"] * batch["response_mask"]

@@ -45,7 +45,7 @@ ADVANTAGES = (1.0, -0.7, -1.3, 0.4)  # per sequence, broadcast over its response
 
 
 def _algo(mode: str) -> AlgoConfig:
-    return AlgoConfig(loss_agg=mode, entropy_coef=0.01, kl_coef=KL_COEF, kl_in_reward=False)
+    return AlgoConfig(loss_agg=mode, entropy_coef=0.01, kl_coef=KL_COEF, kl_in_reward=False, tis_cap=None)
 
 
 def _loss_fn(mode: str, width_p: int, width_r: int, tokens: float, seqs: float):
@@ -96,7 +96,8 @@ def data(tiny_model_dir, single_process_world):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (n,), generator=g).tolist() for n in PROMPT_LENS]
     responses = [torch.randint(4, 100, (n,), generator=g).tolist() for n in RESPONSE_LENS]
-    batch, width_p = pack(prompts, responses, [[0.0] * len(r) for r in responses])
+    packed = pack(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0)
+    batch, width_p = packed.tensors(), packed.prompt_width
     mask = batch["response_mask"]
     n, width_r = mask.shape
     policy = MegatronPolicy(tiny_model_dir, **KW)

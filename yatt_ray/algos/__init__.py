@@ -47,6 +47,7 @@ Precision. Every function computes in at least float32 (bf16 / fp16 inputs are p
 from yatt_ray.algos.advantages import (
     AdvantageEstimator,
     broadcast_to_tokens,
+    estimate_advantages,
     gae_advantages,
     grpo_advantages,
     grpo_no_std_advantages,
@@ -96,6 +97,7 @@ __all__ = [
     "Registry",
     "aggregate",
     "broadcast_to_tokens",
+    "estimate_advantages",
     "cispo_loss",
     "clipped_value_loss",
     "gae_advantages",

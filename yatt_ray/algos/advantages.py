@@ -41,6 +41,7 @@ from yatt_ray.algos.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 __all__ = [
     "AdvantageEstimator",
     "broadcast_to_tokens",
+    "estimate_advantages",
     "gae_advantages",
     "grpo_advantages",
     "grpo_no_std_advantages",
@@ -441,3 +442,43 @@ def broadcast_to_tokens(seq_adv: Tensor, response_mask: Tensor) -> Tensor:
     return torch.where(
         response_mask.bool(), expanded, torch.zeros((), dtype=seq_adv.dtype, device=seq_adv.device)
     )
+
+
+def estimate_advantages(
+    estimator: AdvantageEstimator,
+    rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_size: int,
+    values: Tensor | None = None,
+    greedy_rewards: Tensor | None = None,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    r"""Any registered estimator through one signature: per-token advantages [N, R] and returns [N, R] (GAE)
+    or None.
+
+    Shapes: ``rewards`` [N] (one outcome reward per response, a prompt's ``group_size`` samples adjacent),
+    ``response_mask`` [N, R], ``values`` [N, R] (token-level estimators), ``greedy_rewards`` [N / group_size]
+    (ReMax), ``kl`` [N, R]: a per-token KL estimate used as a reward penalty with ``kl_coef`` (None: none).
+
+    * token level (GAE): token rewards ``r_t = R * [t = last] - kl_coef * KL_t``, then ``fn(r, values, mask,
+      gamma, lam)``; the advantages are returned unwhitened (the caller whitens over every group);
+    * outcome level: ``R' = R - kl_coef * sum_t KL_t``, reshaped to groups [N / group_size, group_size],
+      ``fn(groups)`` (ReMax: ``fn(groups, greedy_rewards)``), broadcast over each response's tokens.
+    """
+    if estimator.token_level:
+        token_rewards = token_rewards_from_outcome(rewards, response_mask, kl, kl_coef)
+        if values is None:
+            raise ValueError(f"advantage estimator {estimator.name!r} needs the critic's values [N, R]")
+        return estimator.fn(token_rewards, values, response_mask, gamma, lam)
+    if kl is not None:
+        rewards = rewards - kl_coef * (kl * response_mask).sum(-1)
+    groups = rewards.reshape(-1, group_size)
+    if estimator.needs_greedy_baseline:
+        seq_adv = estimator.fn(groups, greedy_rewards)
+    else:
+        seq_adv = estimator.fn(groups)
+    return broadcast_to_tokens(seq_adv.reshape(-1), response_mask), None

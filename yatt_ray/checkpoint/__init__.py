@@ -7,7 +7,6 @@
 * `CheckpointSchedule` and `PreemptionFlag`: save every N steps / M minutes, and on SIGTERM.
 """
 
-from yatt_ray.checkpoint import faults  # registers the faulty:// drill filesystem with fsspec
 from yatt_ray.checkpoint.schedule import CheckpointSchedule, PreemptionFlag
 from yatt_ray.checkpoint.store import (
     FORMAT_VERSION,
@@ -23,7 +22,6 @@ from yatt_ray.checkpoint.store import (
 from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
 
 __all__ = [
-    "faults",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "AsyncCheckpointWriter",

@@ -1,17 +1,13 @@
-"""The driver's part in checkpoints: where they go, SIGTERM -> "save and stop", and one metrics curve."""
+"""The driver's part in checkpoints: where they go, and checking the store and the resume point before any
+cluster work."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
 import threading
 import uuid
 from pathlib import Path
 
-from yatt_ray.checkpoint.history import rewind_history
-from yatt_ray.checkpoint.schedule import PreemptionFlag
 from yatt_ray.checkpoint.store import CheckpointError, CheckpointStore
 
 log = logging.getLogger("yatt_ray.checkpoint")
@@ -78,62 +74,3 @@ def check_checkpoints(config, timeout_s: float = 60.0) -> str:
         )
     run = read_run_state(c, root, step)
     return f"checkpoints: {c.dir} (resuming from step {step} of {root}, epoch {run['epoch']})"
-
-
-class StopOnSignal:
-    """While the run goes: SIGTERM or Ctrl-C (SIGINT) to the driver asks the workers (through `RunControl`) to
-    save a checkpoint after this step and stop; a second Ctrl-C aborts at once (`KeyboardInterrupt`, after
-    `abort_training`). Signals are caught only in the main thread (a notebook's kernel runs `fit` there)."""
-
-    def __init__(self, control, enabled: bool) -> None:
-        self.control, self.flag, self.sent = control, None, False
-        if enabled and threading.current_thread() is threading.main_thread():
-            self.flag = PreemptionFlag((signal.SIGTERM, signal.SIGINT), abort_on_repeat=(signal.SIGINT,))
-
-    def poll(self) -> None:
-        if self.flag is not None and self.flag.requested and not self.sent:
-            self.sent = True
-            self.control.request_stop.remote(self.reason)
-
-    @property
-    def reason(self) -> str | None:
-        if not self.sent or self.flag is None or self.flag.received is None:
-            return None
-        return signal.Signals(self.flag.received).name
-
-    def close(self) -> None:
-        if self.flag is not None:
-            self.flag.close()
-
-
-def abort_training() -> None:
-    """Kill this job's Ray Train controllers, and with them their workers (they share the controller's fate):
-    the second Ctrl-C. Ray Train places its controller on the driver's node, so a SIGKILL to its pid does it."""
-    import ray
-    from ray.util.state import list_actors
-
-    job = ray.get_runtime_context().get_job_id()
-    try:
-        actors = list_actors(
-            filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")], timeout=10
-        )
-        for actor in actors:
-            if actor.job_id == job and actor.pid:
-                os.kill(actor.pid, signal.SIGKILL)
-    except Exception as exc:  # the state API is down, or the process is elsewhere: say so
-        log.error("could not abort the training controllers (%r); `ray stop` ends them", exc)
-
-
-def one_curve(progress, output_dir: Path) -> int:
-    """Replace redone steps' rows in `progress.history` and metrics.jsonl by their last version; return how
-    many training rows were dropped (steps redone after restarts)."""
-    rows, dropped = rewind_history(progress.history)
-    if dropped:
-        progress.history[:] = rows
-        path = output_dir / "metrics.jsonl"
-        if path.exists():
-            lines = [json.dumps({"step": int(r.get("step", 0)), **{k: v for k, v in r.items() if k != "step"}})
-                     for r in rows]  # fmt: skip
-            path.write_text("".join(line + "\n" for line in lines))
-        log.warning("%d steps were redone after a restart; the metrics keep their last version", dropped)
-    return dropped

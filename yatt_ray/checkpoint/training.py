@@ -24,16 +24,17 @@ import re
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from yatt_ray.checkpoint.history import RESUME_KEY, rewind_history, row_kind
 from yatt_ray.checkpoint.schedule import CheckpointSchedule
 from yatt_ray.checkpoint.state import load_trainer_state, rng_state, set_rng_state, trainer_state
 from yatt_ray.checkpoint.store import CheckpointError, CheckpointRef, CheckpointStore, step_dir_name
 from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
+from yatt_ray.metrics.history import RESUME_KEY, rewind_history, row_kind
 
 log = logging.getLogger("yatt_ray.checkpoint")
 
@@ -48,12 +49,28 @@ def rank_url(root: str, rank: int) -> str:
 
 
 @dataclass
+class TrainState:
+    """What one worker's checkpoint holds of its training, and where a resume puts it back.
+
+    `policy` / `critic`: `MegatronTrainerBase` (model and optimizer); `feed`: the controller's `PromptFeed`
+    (None on other ranks; its epoch and consumed ids are the data position); `kl_coef`: the KL coefficient now
+    (read at each save)."""
+
+    policy: Any
+    critic: Any | None
+    feed: Any | None
+    kl_coef: Callable[[], float]
+
+
+@dataclass
 class Resumed:
-    """What a resumed run continues from (the trainers and RNGs are already restored)."""
+    """What a resumed run continues from. The trainers and RNGs are already restored; the caller sets the KL
+    coefficient and syncs the rollout engine's weights."""
 
     step: int
     epoch: int
     consumed: list
+    kl_coef: float
     history: list[dict[str, float]] = field(default_factory=list)
     source: str = ""
 
@@ -61,12 +78,12 @@ class Resumed:
 class TrainingCheckpoints:
     """One worker's side of the run's checkpoints; every method that says "collective" is called by all ranks.
 
-    `ctrl` arguments are the worker's `GroupController` (policy, critic, kl_ctl, prompt_feed, layout, hub).
+    `hub` is the run's MetricsHub (the metrics history goes into each checkpoint); `control` its RunControl.
     """
 
-    def __init__(self, config, layout, control) -> None:
+    def __init__(self, config, layout, control, hub) -> None:
         c = config.checkpoint
-        self.config, self.cfg, self.layout, self.control = config, c, layout, control
+        self.config, self.cfg, self.layout, self.control, self.hub = config, c, layout, control, hub
         opts = dict(c.storage_options)
         self.store = CheckpointStore(
             c.dir, keep_last=c.keep_last, keep_every=c.keep_every, storage_options=opts
@@ -88,8 +105,9 @@ class TrainingCheckpoints:
         self.unlogged: list[tuple[str, dict]] = []  # prompt-id records not yet written (store down)
 
     # ---- resume (collective) --------------------------------------------------------------------------------
-    def resume(self, ctrl) -> Resumed | None:
-        """Restore the newest valid checkpoint (per `checkpoint.resume`) into `ctrl`; None for a fresh start."""
+    def resume(self, state: TrainState) -> Resumed | None:
+        """Restore the newest valid checkpoint (per `checkpoint.resume`) into `state`'s trainers and this rank's
+        RNGs; None for a fresh start."""
         choice: Any = None
         if self.layout.rank == 0:
             try:
@@ -105,7 +123,7 @@ class TrainingCheckpoints:
             return None
         root, step, meta = box[0]
         self._check_layout(meta, root, step)
-        resumed = self._restore(ctrl, root, step, meta)
+        resumed = self._restore(state, root, step, meta)
         self._drop_newer(step)
         self.schedule.mark_saved(step)
         self.agreed = self.last_saved = self.agreed_at_start = step
@@ -130,24 +148,24 @@ class TrainingCheckpoints:
                 dp,
             )
 
-    def _restore(self, ctrl, root: str, step: int, meta: dict) -> Resumed:
+    def _restore(self, state: TrainState, root: str, step: int, meta: dict) -> Resumed:
         opts = dict(self.cfg.storage_options)
 
         def entries(rank: int, names: list[str]) -> dict[str, Any]:
             store = CheckpointStore(rank_url(root, rank), _NO_RETENTION, None, opts)
             return load(store, store.ref(step), names=names)
 
-        trainers = ["policy"] + (["critic"] if ctrl.critic is not None else [])
-        state = entries(self.layout.tp_rank, trainers)  # data-parallel rank 0 holds this TP shard
-        load_trainer_state(ctrl.policy, state["policy"])
-        if ctrl.critic is not None:
-            load_trainer_state(ctrl.critic, state["critic"])
+        trainers = ["policy"] + (["critic"] if state.critic is not None else [])
+        saved = entries(self.layout.tp_rank, trainers)  # data-parallel rank 0 holds this TP shard
+        load_trainer_state(state.policy, saved["policy"])
+        if state.critic is not None:
+            load_trainer_state(state.critic, saved["critic"])
         run = entries(0, [RUN_ENTRY])[RUN_ENTRY]
-        ctrl.kl_ctl.value = float(run["kl"])
-        ctrl.sync_weights()  # the rollout engine generates with the restored policy
         if self.layout.rank < meta["world_size"]:
             set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
-        return Resumed(step, int(run["epoch"]), list(run["consumed"]), list(run["history"]), root)
+        return Resumed(
+            step, int(run["epoch"]), list(run["consumed"]), float(run["kl"]), list(run["history"]), root
+        )
 
     def _drop_newer(self, step: int) -> None:
         """Remove this run's checkpoints after `step` (a dead attempt's, or damaged): the redone steps replace
@@ -171,19 +189,19 @@ class TrainingCheckpoints:
         attempt, self.session = box[0]
         return int(attempt)
 
-    def announce(self, resumed: Resumed, hub) -> None:
+    def announce(self, resumed: Resumed) -> None:
         """Rank 0: a resume marker row; a new driver (empty hub) also gets the checkpoint's metrics history, so
         the resumed run's curve starts at step 1."""
         import ray
 
         timeout = self.config.cluster.timeout_s
-        if not ray.get(hub.rows_since.remote(0), timeout=timeout):
+        if not ray.get(self.hub.rows_since.remote(0), timeout=timeout):
             for row in resumed.history:
-                ray.get(hub.push.remote(row), timeout=timeout)
-        ray.get(hub.push.remote({"step": resumed.step, RESUME_KEY: resumed.step}), timeout=timeout)
+                ray.get(self.hub.push.remote(row), timeout=timeout)
+        ray.get(self.hub.push.remote({"step": resumed.step, RESUME_KEY: resumed.step}), timeout=timeout)
 
     # ---- after each step (collective) ----------------------------------------------------------------------
-    def after_step(self, step: int, ctrl) -> bool:
+    def after_step(self, step: int, state: TrainState) -> bool:
         """Commit finished saves, save when due, export when due; True when the run should stop now. The time
         it held the step is kept in `overhead_s` (the next step's row reports it)."""
         start = time.perf_counter()
@@ -192,16 +210,16 @@ class TrainingCheckpoints:
         if head["stop"]:
             self.stop_reason = head["stop"]
         if reason:
-            self.save(step, ctrl, reason, wait=bool(head["stop"]) or head["due"] == "preemption notice")
+            self.save(step, state, reason, wait=bool(head["stop"]) or head["due"] == "preemption notice")
         if self._export_due(step):
-            self.export_hf(step, ctrl)
+            self.export_hf(step, state.policy)
         self.overhead_s = time.perf_counter() - start
         return self.stop_reason is not None
 
-    def finish(self, step: int, ctrl) -> None:
+    def finish(self, step: int, state: TrainState) -> None:
         """At the end (or a stop): the final save when `checkpoint.at_end`, then wait for every write."""
         if self.cfg.at_end and self.last_saved != step:
-            self.save(step, ctrl, "end of run", wait=True)
+            self.save(step, state, "end of run", wait=True)
         if self.unlogged:
             self.flush_prompt_log()
         if not self.writer.close(timeout=self.config.cluster.timeout_s):
@@ -215,7 +233,7 @@ class TrainingCheckpoints:
                 "checkpoint/failures": self.failures_all,
                 "checkpoint/committed": self.agreed,
             }
-            ray.get(ctrl.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
+            ray.get(self.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
 
     def metrics(self) -> dict[str, float]:
         """For the step's row: failed saves so far (all ranks) and the previous step's checkpoint overhead."""
@@ -298,9 +316,9 @@ class TrainingCheckpoints:
                     store.delete(s)
 
     # ---- saving (collective) -------------------------------------------------------------------------------
-    def save(self, step: int, ctrl, reason: str, wait: bool) -> None:
+    def save(self, step: int, state: TrainState, reason: str, wait: bool) -> None:
         """Snapshot this rank's state and write it in the background (`wait`: then wait and commit)."""
-        payload = self._payload(step, ctrl)
+        payload = self._payload(step, state)
         try:
             handle = self.writer.save(step, payload, {"rank": self.layout.rank, "reason": reason})
             self.handles.append(handle)
@@ -318,16 +336,16 @@ class TrainingCheckpoints:
                 )
             self._exchange(step, poll=False)
 
-    def _payload(self, step: int, ctrl) -> dict[str, Any]:
-        feed = getattr(ctrl, "prompt_feed", None)
+    def _payload(self, step: int, state: TrainState) -> dict[str, Any]:
+        feed = state.feed
         ids = feed.consumed if feed is not None else []
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
         dist.gather_object(ids, gathered, dst=0)
         payload: dict[str, Any] = {"rng": rng_state()}
         if self.layout.dp_rank == 0:
-            payload["policy"] = trainer_state(ctrl.policy)
-            if ctrl.critic is not None:
-                payload["critic"] = trainer_state(ctrl.critic)
+            payload["policy"] = trainer_state(state.policy)
+            if state.critic is not None:
+                payload["critic"] = trainer_state(state.critic)
         if self.layout.rank == 0:
             assert gathered is not None and feed is not None
             consumed = sorted({i for part in gathered for i in part})
@@ -335,15 +353,15 @@ class TrainingCheckpoints:
                 "step": step,
                 "epoch": feed.epoch,
                 "consumed": consumed,
-                "history": self._history(ctrl),
-                "kl": float(ctrl.kl_ctl.value),
+                "history": self._history(),
+                "kl": float(state.kl_coef()),
             }
         return payload
 
-    def _history(self, ctrl) -> list[dict[str, float]]:
+    def _history(self) -> list[dict[str, float]]:
         import ray
 
-        rows = ray.get(ctrl.hub.rows_since.remote(0), timeout=self.config.cluster.timeout_s)
+        rows = ray.get(self.hub.rows_since.remote(0), timeout=self.config.cluster.timeout_s)
         return [r for r in rewind_history(rows)[0] if row_kind(r) != "checkpoint"]
 
     # ---- Hugging Face export (collective over the TP group) ---------------------------------------------------
@@ -351,13 +369,13 @@ class TrainingCheckpoints:
         every = self.cfg.export_hf_every
         return step in self.cfg.export_hf_steps or bool(every and step % every == 0)
 
-    def export_hf(self, step: int, ctrl) -> str | None:
+    def export_hf(self, step: int, policy) -> str | None:
         """Write the policy as a HF directory under ``<dir>/hf/step_XXXXXXXX``; errors are logged, not raised."""
         target = f"{self.store.root}/hf/{step_dir_name(step)}"
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 local = target if self.store.is_local else os.path.join(tmp, "hf")
-                written = ctrl.policy.save_hf(local)  # TP collective; the writer rank returns its path
+                written = policy.save_hf(local)  # TP collective; the writer rank returns its path
                 if written is not None and not self.store.is_local:
                     self.store.fs.put(local, target, recursive=True)
             return target if written is not None else None

@@ -7,7 +7,13 @@ step s arrives, the earlier training rows for steps >= s are dropped (the same f
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 RESUME_KEY = "checkpoint/resumed_from"
+
+log = logging.getLogger(__name__)
 
 
 def row_kind(row: dict[str, float]) -> str:
@@ -32,3 +38,18 @@ def rewind_history(rows: list[dict[str, float]]) -> tuple[list[dict[str, float]]
             kept = [r for r in kept if not any(r is s for s in stale)]
         kept.append(row)
     return kept, dropped
+
+
+def one_curve(progress, output_dir: Path) -> int:
+    """Replace redone steps' rows in `progress.history` and metrics.jsonl by their last version; return how
+    many training rows were dropped (steps redone after restarts)."""
+    rows, dropped = rewind_history(progress.history)
+    if dropped:
+        progress.history[:] = rows
+        path = output_dir / "metrics.jsonl"
+        if path.exists():
+            lines = [json.dumps({"step": int(r.get("step", 0)), **{k: v for k, v in r.items() if k != "step"}})
+                     for r in rows]  # fmt: skip
+            path.write_text("".join(line + "\n" for line in lines))
+        log.warning("%d steps were redone after a restart; the metrics keep their last version", dropped)
+    return dropped

@@ -3,7 +3,8 @@
 While a file named ``FAIL_WRITES`` exists in the root of a store (or any folder above the file being
 written), opening a file for writing there raises ``OSError(ENOSPC, "No space left on device")``, like a full
 disk. Tests and release/fault_injection.py create and delete that file while a run is going; nothing else uses
-this protocol. Importing `yatt_ray.checkpoint` registers it with fsspec.
+this protocol. fsspec finds it through the package's `fsspec.specs` entry point (setup.cfg), in every process
+(the training workers too), so nothing is registered when the library is imported.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 PROTOCOL = "faulty"
@@ -46,6 +46,3 @@ def _failing(path: str) -> bool:
         if parent == folder:
             return False
         folder = parent
-
-
-fsspec.register_implementation(PROTOCOL, FaultyFileSystem, clobber=True)

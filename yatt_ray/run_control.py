@@ -1,0 +1,115 @@
+"""Run control: the driver's line to the workers about the run itself ("save and stop" requests, fatal errors)
+and the signals that ask for it (SIGTERM, Ctrl-C).
+
+`RunControl` is a small Ray actor started by the driver. The driver (on SIGTERM) or anyone holding the handle
+(a preemption watcher) calls ``request_stop``; the workers poll ``stop_requested`` once per step, save a
+checkpoint and leave cleanly. A worker that fails with the library's own error (bad data, bad config) records
+it; such an error is deterministic (retrying cannot fix it), so the attempt Ray Train starts after it ends at
+once without building anything, and the driver raises the recorded error with its type and message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from yatt_ray.checkpoint.schedule import PreemptionFlag
+
+log = logging.getLogger(__name__)
+
+
+def start_control():
+    """The control actor (no CPU reserved)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(RunControl).remote()
+
+
+def run_guarded(control, train: Callable[[], None]) -> None:
+    """Run `train`; a `YattError` is recorded on `control`, and an attempt that starts after one returns at
+    once (no retry of a deterministic error; the driver raises it)."""
+    import ray
+
+    from yatt_ray.errors import YattError
+
+    fatal = ray.get(control.fatal.remote(), timeout=60) if control is not None else None
+    if fatal is not None:
+        return
+    try:
+        train()
+    except YattError as exc:
+        if control is not None:
+            ray.get(control.record_fatal.remote(exc), timeout=60)
+        raise
+
+
+class RunControl:
+    def __init__(self) -> None:
+        self._stop: str | None = None
+        self._fatal: BaseException | None = None
+        self._attempts = 0
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the workers to save a checkpoint after the current step and then stop."""
+        self._stop = self._stop or reason
+
+    def stop_requested(self) -> str | None:
+        return self._stop
+
+    def start_attempt(self) -> int:
+        """Count a start of the training function (1 = first start, 2 = the first restart, ...)."""
+        self._attempts += 1
+        return self._attempts
+
+    def record_fatal(self, error: BaseException) -> None:
+        self._fatal = self._fatal or error
+
+    def fatal(self) -> BaseException | None:
+        return self._fatal
+
+
+class StopOnSignal:
+    """While the run goes: SIGTERM or Ctrl-C (SIGINT) to the driver asks the workers (through `RunControl`) to
+    save a checkpoint after this step and stop; a second Ctrl-C aborts at once (`KeyboardInterrupt`, after
+    `abort_training`). Signals are caught only in the main thread (a notebook's kernel runs `fit` there)."""
+
+    def __init__(self, control, enabled: bool) -> None:
+        self.control, self.flag, self.sent = control, None, False
+        if enabled and threading.current_thread() is threading.main_thread():
+            self.flag = PreemptionFlag((signal.SIGTERM, signal.SIGINT), abort_on_repeat=(signal.SIGINT,))
+
+    def poll(self) -> None:
+        if self.flag is not None and self.flag.requested and not self.sent:
+            self.sent = True
+            self.control.request_stop.remote(self.reason)
+
+    @property
+    def reason(self) -> str | None:
+        if not self.sent or self.flag is None or self.flag.received is None:
+            return None
+        return signal.Signals(self.flag.received).name
+
+    def close(self) -> None:
+        if self.flag is not None:
+            self.flag.close()
+
+
+def abort_training() -> None:
+    """Kill this job's Ray Train controllers, and with them their workers (they share the controller's fate):
+    the second Ctrl-C. Ray Train places its controller on the driver's node, so a SIGKILL to its pid does it."""
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    try:
+        actors = list_actors(
+            filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")], timeout=10
+        )
+        for actor in actors:
+            if actor.job_id == job and actor.pid:
+                os.kill(actor.pid, signal.SIGKILL)
+    except Exception as exc:  # the state API is down, or the process is elsewhere: say so
+        log.error("could not abort the training controllers (%r); `ray stop` ends them", exc)
