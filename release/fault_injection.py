@@ -21,7 +21,7 @@ faults:
 * s3down:        checkpoints on S3 (moto on 127.0.0.1, behind a proxy this script cuts): the endpoint goes
                  down after the first checkpoint and comes back 15 s later; saves in between fail or wait,
                  training goes on, later checkpoints commit;
-* reward:        a reward function that raises on every sample of one answer: with reward.on_error=zero the
+* reward:        a reward function that raises on every answer ending in 7: with reward.on_error=zero the
                  run trains on (counted in reward/errors); with reward.on_error=raise the driver gets a
                  RewardError naming the function and the sample, at once (no retry);
 * genrm:         the GenRM judge as the reward, one Serve replica killed mid-run: the run goes on, every
@@ -69,14 +69,20 @@ def config(ckpt_dir: str, out: Path, *overrides: str, base: str = "grpo.yaml"):
     from yatt_ray.config import Config
     from yatt_ray.tasks.demo import prepare_demo
 
-    demo = prepare_demo(Config())
-    return yatt_ray.load_config(
+    wanted = Config()
+    wanted.reward.mode = "genrm" if "genrm" in base else "rule"
+    demo = prepare_demo(wanted)  # the demo model and data (and judge), built once into the cache
+    config = yatt_ray.load_config(
         REPO / "examples/configs" / base,
         [f"model.path={demo.model.path}", f"data.train_files=[{demo.data.train_files[0]}]", "data.eval_files=[]",
          f"output.dir={out}", "output.progress=false", "output.tensorboard=false", "output.plot=false",
          f"train.steps={STEPS}", f"train.prompts_per_step={PROMPTS}", "rollout.n=2", "train.dp_size=2",
          f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", *overrides],
     )  # fmt: skip
+    if wanted.reward.mode == "genrm":  # the demo judge, its template and prompt length (set, not parsed)
+        g, d = config.reward.genrm, demo.reward.genrm
+        g.path, g.template, g.max_prompt_tokens = d.path, d.template, d.max_prompt_tokens
+    return config
 
 
 def trained_steps(result) -> list[int]:
@@ -287,7 +293,7 @@ def reward_raises(tmp: Path) -> dict:
     out = row(
         "reward", ckpt, result, f"on_error=zero: {errors:.0f} samples scored 0; on_error=raise: {raised}"
     )
-    if errors == 0 or not raised.startswith("RewardError") or not named:
+    if errors == 0 or not raised.startswith(("RewardError", "ConfigError")) or not named:
         out["survived"] = "NO"
     return out
 
