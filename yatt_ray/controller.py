@@ -16,8 +16,9 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,30 +31,17 @@ from yatt_ray.algos import (
     tis_weights,
 )
 from yatt_ray.batch import RolloutBatch, pack
+from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.config import Config
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
+from yatt_ray.roles import Layout, Roles, build_roles
 from yatt_ray.rollout.base import SamplingSpec
 from yatt_ray.step import compute_advantages, policy_loss_fn, reduce_metrics, value_loss_fn
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """This worker's place: data-parallel group and rank within the tensor-parallel group."""
-
-    rank: int
-    dp_rank: int
-    dp_size: int
-    tp_rank: int
-    tp_size: int
-
-    @property
-    def is_controller(self) -> bool:
-        return self.tp_rank == 0
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -61,104 +49,67 @@ def train_loop_per_worker(loop_config: dict) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
     from yatt_ray.run_control import run_guarded
 
-    run_guarded(loop_config.get("control"), lambda: GroupController(loop_config).run())
+    def train() -> None:
+        config = Config.from_dict(loop_config["config"])
+        layout, roles = build_roles(config, loop_config)
+        controller = GroupController(config, layout, roles)
+        controller.open_checkpoints(loop_config)
+        controller.run()
+
+    run_guarded(loop_config.get("control"), train)
 
 
 class GroupController:
-    """One worker's roles and loop; the rollout engine and the prompt stream exist on controller ranks only."""
+    """One worker's loop over its injected roles (`yatt_ray.roles`); the rollout engine, the scorer and the
+    prompt feed exist on controller ranks only. Megatron's parallel state must be initialised (the real
+    policy does it; tests call `init_parallel_state`)."""
 
-    def __init__(self, loop_config: dict) -> None:
+    def __init__(self, config: Config, layout: Layout, roles: Roles) -> None:
         from megatron.core import parallel_state
 
-        from yatt_ray.train import MegatronPolicy, apply_cpu_shims
-
-        self.config = config = Config.from_dict(loop_config["config"])
-        self.hub = loop_config["hub"]
-        torch.set_num_threads(max(1, config.cluster.cpus_per_worker))
-        apply_cpu_shims()
-        t = config.train
-        self.policy = MegatronPolicy(  # also creates Megatron's TP / DP groups on Ray Train's process group
-            config.model.path,
-            tp_size=t.tp_size,
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip,
-            seed=t.seed,
-            with_reference=config.algo.kl_coef > 0,
-        )
-        self.layout = Layout(
-            rank=dist.get_rank(),
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=parallel_state.get_data_parallel_world_size(),
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        )
+        self.config, self.layout, self.roles = config, layout, roles
+        self.policy, self.critic, self.hub = roles.policy, roles.critic, roles.hub
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_src = parallel_state.get_tensor_model_parallel_src_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.critic = self._build_critic() if config.critic.enable else None
-        a = config.algo
+        a, t = config.algo, config.train
         self.kl_ctl = (
             AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
             if a.kl_target is not None
             else FixedKLController(a.kl_coef)
         )  # every rank updates it from the same all-reduced KL, so all ranks agree
         self.needs_greedy = ADVANTAGE_ESTIMATORS.get(a.estimator).needs_greedy_baseline
-        offload = config.train.offload_during_rollout
+        offload = t.offload_during_rollout
         self.offload = torch.cuda.is_available() if offload is None else offload
         self.batching: dict = {"micro_batch_size": t.micro_batch_size}  # how trainer passes split a batch
         if t.max_tokens_per_micro_batch:
             self.batching["max_tokens_per_micro_batch"] = t.max_tokens_per_micro_batch
-        worker = f"rank{self.layout.rank}"
+        worker = f"rank{layout.rank}"
         self.recorder = SpanRecorder("trainer", worker, local_accelerator(worker))
         self.timer = PhaseTimer(recorder=self.recorder)
         self.memory: dict[str, float] = {}  # bytes released between phases this step (full coexistence)
         self.prompts_per_group = t.prompts_per_step // t.dp_size
-        if self.layout.is_controller:
-            self._init_controller(loop_config)
-        self._init_checkpoints(loop_config)
-
-    def _build_critic(self):
-        """The value model: from `critic.path`, or the policy's trunk with a fresh scalar head."""
-        from yatt_ray.train import MegatronCritic
-
-        cfg, t = self.config, self.config.train
-        return MegatronCritic(
-            cfg.critic.path or cfg.model.path,
-            tp_size=t.tp_size,
-            lr=cfg.critic.lr,
-            weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip,
-            seed=t.seed,
-        )
-
-    def _init_controller(self, loop_config: dict) -> None:
-        from transformers import AutoTokenizer
-
-        from yatt_ray.reward import resolve_reward_fn
-        from yatt_ray.reward.scorer import RewardScorer
-        from yatt_ray.rollout import make_engine
-
-        cfg, dp = self.config, self.layout.dp_rank
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.reward_fn = resolve_reward_fn(cfg.reward.function)  # eval: the rule is the ground truth
-        self.scorer = RewardScorer(cfg.reward, connect_timeout_s=cfg.cluster.timeout_s)
         # partial coexistence: each prompt's samples go to the GenRM as soon as they finish generating
-        self.stream_to_genrm = cfg.reward.mode != "rule" and cfg.placement.mode == "partial"
-        self.engine = make_engine(
-            cfg.rollout.engine,  # resolved to "vllm" or "hf" by the driver
-            cfg.model.path,
-            seed=cfg.train.seed + dp,
-            kv_cache_gb=cfg.rollout.kv_cache_gb,
-            max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-        )
-        eval_shards = loop_config.get("eval_shards")
-        self.eval_shard = eval_shards[dp] if eval_shards else None
-        self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))  # masked out anyway
+        self.stream_to_genrm = config.reward.mode != "rule" and config.placement.mode == "partial"
+        self.prompt_feed: Any = None  # set by open_checkpoints (controller ranks)
+        self.resumed: Resumed | None = None
+        if layout.is_controller:
+            engine, scorer, tokenizer, reward_fn = (
+                roles.engine,
+                roles.scorer,
+                roles.tokenizer,
+                roles.reward_fn,
+            )
+            assert (
+                engine is not None and scorer is not None and tokenizer is not None and reward_fn is not None
+            )
+            self.engine, self.scorer, self.tokenizer, self.reward_fn = engine, scorer, tokenizer, reward_fn
+            self.eval_shard = roles.eval_shard
+            self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
+            pad = self.tokenizer.pad_token_id
+            self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))  # masked out
 
-    def _init_checkpoints(self, loop_config: dict) -> None:
+    def open_checkpoints(self, loop_config: dict) -> None:
         """Resume from the newest valid checkpoint (or start fresh), then open the prompt streams there."""
         from yatt_ray.checkpoint.training import TrainingCheckpoints, TrainState
         from yatt_ray.data.feed import PromptFeed, open_splits, share_splits
@@ -245,10 +196,8 @@ class GroupController:
 
     def _push_spans(self) -> None:
         """Every rank's busy intervals of the step, for the driver's timeline (names and times only)."""
-        import ray
-
         spans = to_wire(self.recorder.drain())
-        ray.get(self.hub.push_spans.remote(spans), timeout=self.config.cluster.timeout_s)
+        self.hub.push_spans(spans)
 
     def _move_trainers(self, direction: str) -> None:
         """Full coexistence: "offload" gives the accelerator to the rollout engine (trainer weights, grads and
@@ -434,9 +383,7 @@ class GroupController:
 
     def _push(self, row: dict[str, float]) -> None:
         if self.layout.rank == 0:
-            import ray
-
-            ray.get(self.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
+            self.hub.push(row)
 
     def _report_final(self, metrics: dict[str, float]) -> None:
         import ray.train

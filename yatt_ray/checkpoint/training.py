@@ -78,7 +78,7 @@ class Resumed:
 class TrainingCheckpoints:
     """One worker's side of the run's checkpoints; every method that says "collective" is called by all ranks.
 
-    `hub` is the run's MetricsHub (the metrics history goes into each checkpoint); `control` its RunControl.
+    `hub` is the worker's `HubLink` to the MetricsHub (the metrics history goes into each checkpoint); `control` its RunControl.
     """
 
     def __init__(self, config, layout, control, hub) -> None:
@@ -192,13 +192,10 @@ class TrainingCheckpoints:
     def announce(self, resumed: Resumed) -> None:
         """Rank 0: a resume marker row; a new driver (empty hub) also gets the checkpoint's metrics history, so
         the resumed run's curve starts at step 1."""
-        import ray
-
-        timeout = self.config.cluster.timeout_s
-        if not ray.get(self.hub.rows_since.remote(0), timeout=timeout):
+        if not self.hub.rows_since(0):
             for row in resumed.history:
-                ray.get(self.hub.push.remote(row), timeout=timeout)
-        ray.get(self.hub.push.remote({"step": resumed.step, RESUME_KEY: resumed.step}), timeout=timeout)
+                self.hub.push(row)
+        self.hub.push({"step": resumed.step, RESUME_KEY: resumed.step})
 
     # ---- after each step (collective) ----------------------------------------------------------------------
     def after_step(self, step: int, state: TrainState) -> bool:
@@ -226,14 +223,12 @@ class TrainingCheckpoints:
             log.error("the checkpoint of step %d is still being written after cluster.timeout_s", step)
         self._exchange(step, poll=False)
         if self.layout.rank == 0:  # the last saves' outcome, which no step row carries
-            import ray
-
             row = {
                 "step": step,
                 "checkpoint/failures": self.failures_all,
                 "checkpoint/committed": self.agreed,
             }
-            ray.get(self.hub.push.remote(row), timeout=self.config.cluster.timeout_s)
+            self.hub.push(row)
 
     def metrics(self) -> dict[str, float]:
         """For the step's row: failed saves so far (all ranks) and the previous step's checkpoint overhead."""
@@ -359,9 +354,7 @@ class TrainingCheckpoints:
         return payload
 
     def _history(self) -> list[dict[str, float]]:
-        import ray
-
-        rows = ray.get(self.hub.rows_since.remote(0), timeout=self.config.cluster.timeout_s)
+        rows = self.hub.rows_since(0)
         return [r for r in rewind_history(rows)[0] if row_kind(r) != "checkpoint"]
 
     # ---- Hugging Face export (collective over the TP group) ---------------------------------------------------

@@ -60,3 +60,25 @@ class MetricsHub:
 
     def spans_since(self, index: int) -> list[WireSpan]:
         return self._spans[index:]
+
+
+class HubLink:
+    """A worker's typed line to the MetricsHub actor: each call waits at most `timeout_s`."""
+
+    def __init__(self, hub, timeout_s: float) -> None:
+        self.hub, self.timeout_s = hub, timeout_s
+
+    def push(self, row: dict) -> None:
+        import ray
+
+        ray.get(self.hub.push.remote(row), timeout=self.timeout_s)
+
+    def push_spans(self, spans: list[WireSpan]) -> None:
+        import ray
+
+        ray.get(self.hub.push_spans.remote(spans), timeout=self.timeout_s)
+
+    def rows_since(self, index: int) -> list[dict[str, float]]:
+        import ray
+
+        return ray.get(self.hub.rows_since.remote(index), timeout=self.timeout_s)

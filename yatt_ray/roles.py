@@ -1,0 +1,106 @@
+"""What a group's loop drives, built once per worker: the trainers, and on controller ranks the rollout
+engine, the scorer and the tokenizer.
+
+`build_roles` makes the real ones (Megatron trainers, a vLLM or Hugging Face engine, the reward scorer) from
+the worker's config; `GroupController` only receives them, so tests can inject fakes and run a step in one
+process (tests/unit/test_controller.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from yatt_ray.config import Config
+from yatt_ray.metrics.hub import HubLink
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This worker's place: data-parallel group and rank within the tensor-parallel group."""
+
+    rank: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def is_controller(self) -> bool:
+        return self.tp_rank == 0
+
+
+def current_layout() -> Layout:
+    """The layout of this process in Megatron's parallel state (initialised by the policy's construction)."""
+    from megatron.core import parallel_state
+
+    return Layout(
+        rank=dist.get_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+    )
+
+
+@dataclass
+class Roles:
+    """A worker's roles. `engine`, `scorer`, `tokenizer` and `reward_fn` exist on controller ranks only."""
+
+    policy: Any  # MegatronPolicy: log_probs, train_step, iter_hf_buckets, offload / onload, save_hf
+    critic: Any | None  # MegatronCritic (PPO) or None
+    hub: HubLink  # metrics rows and timeline spans to the driver
+    engine: Any | None = None  # RolloutEngine (yatt_ray.rollout.base)
+    scorer: Any | None = None  # RewardScorer
+    tokenizer: Any | None = None  # the policy's Hugging Face tokenizer
+    reward_fn: Callable | None = None  # the rule function (evaluation scores with it)
+    eval_shard: Any | None = None  # this group's Ray Data stream of eval prompts, or None
+
+
+def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
+    """The real roles of this worker (collective: the policy's construction creates Megatron's TP / DP groups
+    on Ray Train's process group)."""
+    from yatt_ray.train import MegatronCritic, MegatronPolicy, apply_cpu_shims
+
+    torch.set_num_threads(max(1, config.cluster.cpus_per_worker))
+    apply_cpu_shims()
+    t = config.train
+    common: dict[str, Any] = {
+        "tp_size": t.tp_size,
+        "weight_decay": t.weight_decay,
+        "grad_clip": t.grad_clip,
+        "seed": t.seed,
+    }
+    policy = MegatronPolicy(config.model.path, lr=t.lr, with_reference=config.algo.kl_coef > 0, **common)
+    critic = None
+    if config.critic.enable:  # from critic.path, or the policy's trunk with a fresh scalar head
+        critic = MegatronCritic(config.critic.path or config.model.path, lr=config.critic.lr, **common)
+    layout = current_layout()
+    roles = Roles(policy, critic, HubLink(loop_config["hub"], config.cluster.timeout_s))
+    if layout.is_controller:
+        _add_controller_roles(roles, config, layout.dp_rank, loop_config.get("eval_shards"))
+    return layout, roles
+
+
+def _add_controller_roles(roles: Roles, config: Config, dp_rank: int, eval_shards) -> None:
+    from transformers import AutoTokenizer
+
+    from yatt_ray.reward import resolve_reward_fn
+    from yatt_ray.reward.scorer import RewardScorer
+    from yatt_ray.rollout import make_engine
+
+    roles.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    roles.reward_fn = resolve_reward_fn(config.reward.function)
+    roles.scorer = RewardScorer(config.reward, connect_timeout_s=config.cluster.timeout_s)
+    roles.engine = make_engine(
+        config.rollout.engine,  # resolved to "vllm" or "hf" by the driver
+        config.model.path,
+        seed=config.train.seed + dp_rank,
+        kv_cache_gb=config.rollout.kv_cache_gb,
+        max_model_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
+    )
+    roles.eval_shard = eval_shards[dp_rank] if eval_shards else None
