@@ -96,8 +96,9 @@ def test_registered_and_validation():
         ppo_clip_loss(z, z, torch.zeros(2))
     with pytest.raises(ValueError, match="clip_low must be in"):
         ppo_clip_loss(z, z, z, clip_low=1.0)
-    with pytest.raises(ValueError, match="clip_high must be >= 0"):
-        ppo_clip_loss(z, z, z, clip_high=-0.1)
+    for bad in (-0.1, 0.0):  # the same bound as the config's algo.clip_high (one source: check_clip)
+        with pytest.raises(ValueError, match="clip_high must be > 0"):
+            ppo_clip_loss(z, z, z, clip_high=bad)
     assert ppo_clip_loss(z.bfloat16(), z.bfloat16(), z.bfloat16())[0].dtype == torch.float32
 
 

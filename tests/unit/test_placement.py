@@ -114,7 +114,7 @@ def test_param_count_of_the_tiny_model(tmp_path):
 
 
 def test_judge_replicas_follow_the_load_between_replicas_and_max_replicas():
-    from yatt_ray.reward.service import deployment_options, genrm_settings
+    from yatt_ray.reward.service import deployment_options
 
     config = cfg(
         *GENRM,
@@ -124,7 +124,7 @@ def test_judge_replicas_follow_the_load_between_replicas_and_max_replicas():
         "reward.genrm.engine=vllm",
     )
     plan = plan_placement(config, {"CPU": 16.0, "GPU": 10.0})
-    options = deployment_options(plan.genrm, genrm_settings(config))
+    options = deployment_options(plan.genrm, config.reward.genrm)
     assert (
         options["autoscaling_config"]["min_replicas"] == 1
         and options["autoscaling_config"]["max_replicas"] == 4
@@ -132,6 +132,6 @@ def test_judge_replicas_follow_the_load_between_replicas_and_max_replicas():
     assert options["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 0.01, "GPU": 1.0}]
     assert options["placement_group_strategy"] == "STRICT_PACK" and "num_replicas" not in options
     fixed = deployment_options(
-        plan_placement(cfg(*GENRM), {"CPU": 16.0, "GPU": 2.0}).genrm, genrm_settings(config)
+        plan_placement(cfg(*GENRM), {"CPU": 16.0, "GPU": 2.0}).genrm, config.reward.genrm
     )
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed

@@ -65,12 +65,23 @@ def _check_inputs(
     return torch.promote_types(dtype, advantages.dtype)
 
 
-def _check_clip(clip_low: float, clip_high: float, usual: str, allow_low_one: bool = False) -> None:
+_USUAL_CLIPS = {
+    "ppo_clip": "0.2 (clip_high 0.28 in DAPO)",
+    "gspo": "3e-4 / 4e-4 (GSPO paper)",
+    "cispo": "clip_low 1 (no lower bound); tune clip_high",
+}
+
+
+def check_clip(clip_low: float, clip_high: float, policy_loss: str = "ppo_clip") -> None:
+    """The clip range's domain, one source for the losses and the config: ``clip_low`` in [0, 1) (CISPO also
+    takes 1, no lower bound), ``clip_high`` > 0. `ValueError` naming the value and the usual one."""
+    usual = _USUAL_CLIPS.get(policy_loss, _USUAL_CLIPS["ppo_clip"])
+    allow_low_one = policy_loss == "cispo"
     if not (0.0 <= clip_low < 1.0 or (allow_low_one and clip_low == 1.0)):
-        bound = "[0, 1]" if allow_low_one else "[0, 1)"
+        bound = "[0, 1]" if allow_low_one else "[0, 1) (1, no lower bound, suits cispo only)"
         raise ValueError(f"clip_low must be in {bound}, got {clip_low}; the usual value is {usual}")
-    if clip_high < 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}; the usual value is {usual}")
+    if not clip_high > 0.0:
+        raise ValueError(f"clip_high must be > 0, got {clip_high}; the usual value is {usual}")
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -111,7 +122,7 @@ def ppo_clip_loss(
     all 0 without ``dual_clip``). Average them with the response mask for logging.
     """
     dtype = _check_inputs(logp, old_logp, advantages, response_mask)
-    _check_clip(clip_low, clip_high, "0.2 (clip_high 0.28 in DAPO)")
+    check_clip(clip_low, clip_high, "ppo_clip")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}; the usual value is 3")
 
@@ -193,7 +204,7 @@ def gspo_loss(
             "gspo needs response_mask [B, T] to average the log-ratio over each sequence's tokens; pass "
             "response_mask=mask"
         )
-    _check_clip(clip_low, clip_high, "3e-4 / 4e-4 (GSPO paper)")
+    check_clip(clip_low, clip_high, "gspo")
     mask = response_mask.bool()
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     lp = torch.where(mask, logp.to(dtype), zero)
@@ -246,7 +257,7 @@ def cispo_loss(
     ratio lies outside [1 - clip_low, 1 + clip_high]; unlike PPO these tokens still get a gradient).
     """
     dtype = _check_inputs(logp, old_logp, advantages, response_mask)
-    _check_clip(clip_low, clip_high, "clip_low 1 (no lower bound); tune clip_high", allow_low_one=True)
+    check_clip(clip_low, clip_high, "cispo")
     lp = logp.to(dtype)
     ratio = torch.exp((lp - old_logp.to(dtype)).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)).detach()
     low, high = 1.0 - clip_low, 1.0 + clip_high

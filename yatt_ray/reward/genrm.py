@@ -27,6 +27,7 @@ from typing import Any
 from ray import serve
 
 from yatt_ray.algos.registry import Registry
+from yatt_ray.config import GenRMConfig
 from yatt_ray.errors import ConfigError
 from yatt_ray.reward.rules import import_object
 
@@ -147,11 +148,11 @@ def tp_kwargs(accelerators: int) -> dict[str, Any] | None:
 class GenRMJudge:
     """The Serve deployment's class: one judge engine per replica, batched greedy verdicts.
 
-    `settings` is `reward.genrm` as a dict; `release_when_idle` is set in full coexistence; `hub` (the run's
-    MetricsHub) receives the replica's busy spans for the timeline.
+    `settings` is the run's `reward.genrm` section (resolved on the driver); `release_when_idle` is set in full
+    coexistence; `hub` (the run's MetricsHub) receives the replica's busy spans for the timeline.
     """
 
-    def __init__(self, settings: dict[str, Any], release_when_idle: bool, hub: Any = None) -> None:
+    def __init__(self, settings: GenRMConfig, release_when_idle: bool, hub: Any = None) -> None:
         import os
 
         from transformers import AutoTokenizer
@@ -161,26 +162,26 @@ class GenRMJudge:
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.settings = settings
-        self.template = resolve_template(settings["template"])
-        self.parser = resolve_parser(settings["parser"])
-        self.tokenizer = AutoTokenizer.from_pretrained(settings["path"])
-        self.max_prompt_tokens = int(settings["max_prompt_tokens"])
+        self.template = resolve_template(settings.template)
+        self.parser = resolve_parser(settings.parser)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.path)
+        self.max_prompt_tokens = settings.max_prompt_tokens
         self.engine = make_engine(
-            settings["engine"],
-            settings["path"],
+            settings.engine,
+            settings.path,
             seed=0,
-            kv_cache_gb=settings["kv_cache_gb"],
-            max_model_len=self.max_prompt_tokens + int(settings["max_new_tokens"]),
-            engine_kwargs=tp_kwargs(int(settings["accelerators_per_replica"])),
+            kv_cache_gb=settings.kv_cache_gb,
+            max_model_len=self.max_prompt_tokens + settings.max_new_tokens,
+            engine_kwargs=tp_kwargs(settings.accelerators_per_replica),
         )
         eos = self.tokenizer.eos_token_id
         self.spec = SamplingSpec(
-            n=1, max_new_tokens=int(settings["max_new_tokens"]), temperature=0.0, stop_token_ids=(eos,)
+            n=1, max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=(eos,)
         )
-        self.judge.set_max_batch_size(int(settings["batch_size"]))  # type: ignore[attr-defined]  # serve.batch
-        self.judge.set_batch_wait_timeout_s(float(settings["batch_wait_s"]))  # type: ignore[attr-defined]
+        self.judge.set_max_batch_size(settings.batch_size)  # type: ignore[attr-defined]  # serve.batch
+        self.judge.set_batch_wait_timeout_s(settings.batch_wait_s)  # type: ignore[attr-defined]
         self.release_when_idle = release_when_idle
-        self.idle_release_s = float(settings["idle_release_s"])
+        self.idle_release_s = settings.idle_release_s
         self.hub = hub
         self.worker = f"genrm-{os.getpid()}"
         self.recorder = SpanRecorder("genrm", self.worker, local_accelerator(self.worker))

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from yatt_ray.config import Config
+from yatt_ray.config import Config, GenRMConfig
 from yatt_ray.errors import PlacementError
 from yatt_ray.placement import GenRMSlice, PlacementPlan
 from yatt_ray.reward.genrm import APP_NAME, GenRMJudge
@@ -20,18 +20,13 @@ from yatt_ray.reward.genrm import APP_NAME, GenRMJudge
 log = logging.getLogger(__name__)
 
 
-def genrm_settings(config: Config) -> dict[str, Any]:
-    """What a replica needs: `reward.genrm` as a plain dict."""
-    return dict(vars(config.reward.genrm))
-
-
 def deploy_genrm(config: Config, plan: PlacementPlan, hub: Any) -> None:
     """Start the GenRM Serve application (`APP_NAME`) and wait until its replicas are running."""
     from ray import serve
 
     assert plan.genrm is not None, "deploy_genrm needs a plan with a GenRM slice"
-    g, settings = plan.genrm, genrm_settings(config)
-    http = settings["http_port"]
+    g, settings = plan.genrm, config.reward.genrm
+    http = settings.http_port
     serve.start(
         proxy_location="HeadOnly" if http else "Disabled",
         http_options={"host": "127.0.0.1", "port": int(http)} if http else None,
@@ -46,7 +41,7 @@ def deploy_genrm(config: Config, plan: PlacementPlan, hub: Any) -> None:
     log.info("GenRM deployed in %.1fs: %d replica(s)", time.time() - started, g.replicas)
 
 
-def deployment_options(g: GenRMSlice, settings: dict[str, Any]) -> dict[str, Any]:
+def deployment_options(g: GenRMSlice, settings: GenRMConfig) -> dict[str, Any]:
     """Serve options of the judge deployment: one placement-group bundle per accelerator of a replica, and
     autoscaling between `replicas` and `max_replicas` on ongoing requests when they differ."""
     options: dict[str, Any] = {
@@ -57,7 +52,7 @@ def deployment_options(g: GenRMSlice, settings: dict[str, Any]) -> dict[str, Any
             "num_gpus": g.gpus_per_accelerator,
             "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
         },
-        "max_ongoing_requests": 4 * int(settings["batch_size"]),
+        "max_ongoing_requests": 4 * settings.batch_size,
         "logging_config": {"log_level": "WARNING", "enable_access_log": False},
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
@@ -66,7 +61,7 @@ def deployment_options(g: GenRMSlice, settings: dict[str, Any]) -> dict[str, Any
         options["autoscaling_config"] = {
             "min_replicas": g.replicas,
             "max_replicas": g.max_replicas,
-            "target_ongoing_requests": int(settings["batch_size"]),
+            "target_ongoing_requests": settings.batch_size,
             "upscale_delay_s": 2.0,
             "downscale_delay_s": 30.0,
         }
