@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test test-fast lint clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# the tests that need no Ray cluster (about a minute): for iteration; `make test` is what CI runs
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not cluster and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

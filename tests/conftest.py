@@ -125,3 +125,11 @@ def s3_options():
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use the shared cluster, or start one of their own (tests/integration/), are `cluster` tests:
+    `make test-fast` leaves them out."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or "/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.cluster)

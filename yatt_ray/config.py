@@ -192,12 +192,26 @@ class ClusterConfig:
 
 @dataclass
 class OutputConfig:
-    """Where results go: metrics.jsonl, TensorBoard events, the reward plot and checkpoints."""
+    """Where results go: metrics.jsonl, TensorBoard events, the reward plot and checkpoints.
+
+    `mlflow` / `wandb` also send every metric row and the config (as params) to MLflow / Weights & Biases
+    (`yatt_ray.metrics.sinks.MlflowSink`, `WandbSink`; `pip install mlflow-skinny` / `pip install wandb`).
+    `mlflow_tracking_uri` "" = $MLFLOW_TRACKING_URI, else the file store `file:<run output folder>/mlruns`.
+    `wandb_mode` "" = W&B's own default ($WANDB_MODE, else "online", which needs `wandb login`); "offline"
+    writes `<run output folder>/wandb/offline-run-*` for a later `wandb sync`; "disabled" logs nothing.
+    """
 
     dir: str = "runs/grpo"
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+    mlflow: bool = False
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = "yatt_ray"
+    wandb: bool = False
+    wandb_project: str = "yatt_ray"
+    wandb_entity: str = ""  # "" = the logged-in user's default entity
+    wandb_mode: str = ""  # "", "online", "offline" or "disabled"
 
 
 @dataclass

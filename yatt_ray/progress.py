@@ -1,8 +1,9 @@
 """The driver's view of a run: a progress bar, metric files and the closing report.
 
 It reads rows of scalars from the MetricsHub actor and writes them to metrics.jsonl and TensorBoard under
-the output folder; at the end it draws reward and accuracy against step (reward.png) and prints the
-start/end comparison.
+the output folder, and to MLflow / W&B when `output.mlflow` / `output.wandb` are on
+(`metrics.sinks.build_sinks`); at the end it draws reward and accuracy against step (reward.png) and prints
+the start/end comparison.
 
 It also reads the spans of the idle-time timeline. Once a step is settled (every trainer worker has reported
 spans of a later step, `timeline.last_settled_step`) its idle fractions are computed and a row
@@ -27,17 +28,14 @@ REPORT_KEYS = ("reward_mean", "accuracy", "eval/reward_mean", "eval/accuracy")
 
 class DriverProgress:
     def __init__(self, hub, config: Config, output_dir: Path) -> None:
-        from yatt_ray.metrics.sinks import JsonlSink, MultiSink, Sink, TensorBoardSink
+        from yatt_ray.metrics.sinks import MultiSink, build_sinks
 
         self.hub, self.config, self.output_dir = hub, config, output_dir
         self.history: list[dict[str, float]] = []
         self.spans: list[timeline.Span] = []
         self.idle: dict[int, dict[str, float]] = {}  # step -> accelerator -> idle fraction, settled steps
         self._rows_seen = 0
-        sinks: list[Sink] = [JsonlSink(output_dir / "metrics.jsonl")]
-        if config.output.tensorboard:
-            sinks.append(TensorBoardSink(output_dir / "tensorboard"))
-        self.sink = MultiSink(sinks)
+        self.sink = MultiSink(build_sinks(config, output_dir))  # metrics.jsonl, TensorBoard, MLflow, W&B
         self.bar = None
         if config.output.progress:
             from tqdm.auto import tqdm
