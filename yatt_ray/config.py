@@ -14,11 +14,21 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from yatt_ray.errors import ConfigError
+
+# The valid names of each mode: one source (validate and the code that branches on them read these types).
+EngineKind = Literal["auto", "vllm", "hf"]  # auto: vllm when installed and the model suits it, else hf
+RewardMode = Literal["rule", "genrm", "mix"]
+ParseErrorPolicy = Literal["zero", "rule", "raise"]
+RewardErrorPolicy = Literal["raise", "zero"]
+PlacementMode = Literal["full", "partial"]
+PlacementStrategy = Literal["PACK", "SPREAD"]
+AlgoName = Literal["grpo", "ppo", "rloo", "reinforce_pp", "remax"]  # each names its estimator; ppo: gae
+WandbMode = Literal["", "online", "offline", "disabled"]
 
 
 @dataclass
@@ -48,7 +58,7 @@ class DataConfig:
 class RolloutConfig:
     """Generation: engine kind, samples per prompt and sampling parameters."""
 
-    engine: str = "auto"  # vllm | hf | auto (vllm when installed)
+    engine: EngineKind = "auto"
     n: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
@@ -70,8 +80,8 @@ class GenRMConfig:
     path: str = ""  # Hugging Face directory of the judge; "" with the demo builds the tiny judge
     template: str = "default"  # "default" = yatt_ray.reward.genrm.DEFAULT_TEMPLATE
     parser: str = "yes_no"
-    on_parse_error: str = "zero"
-    engine: str = "auto"  # vllm | hf | auto
+    on_parse_error: ParseErrorPolicy = "zero"
+    engine: EngineKind = "auto"
     max_new_tokens: int = 4
     max_prompt_tokens: int = 512  # the rendered judge prompt keeps its last tokens
     kv_cache_gb: float = 0.5
@@ -94,9 +104,9 @@ class RewardConfig:
     raise (stop the run with a RewardError naming the sample) or zero (reward 0, counted in `reward/errors`);
     a return that is not a finite number always raises."""
 
-    mode: str = "rule"
+    mode: RewardMode = "rule"
     function: str = "exact_match"
-    on_error: str = "raise"  # raise | zero
+    on_error: RewardErrorPolicy = "raise"
     genrm_weight: float = 0.5
     genrm: GenRMConfig = field(default_factory=GenRMConfig)
 
@@ -106,13 +116,9 @@ class PlacementConfig:
     """full: every role shares every accelerator, phases in series; partial: GenRM replicas on their own
     slice (`reward.genrm.replicas` x `accelerators_per_replica`), judging while rollouts generate."""
 
-    mode: str = "full"
+    mode: PlacementMode = "full"
     genrm_share: float = 0.1  # full: the part of each GPU's Ray resource its GenRM replica claims (a token)
     gpu_memory_gb: float | None = None  # per accelerator; set it to check that the plan fits in memory
-
-
-# algo.name -> its advantage estimator (algo.advantage overrides it)
-ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "remax": "remax"}
 
 
 @dataclass
@@ -125,7 +131,7 @@ class AlgoConfig:
     adaptive coefficient when `kl_target` is set).
     """
 
-    name: str = "grpo"
+    name: AlgoName = "grpo"
     advantage: str = ""  # "" = the estimator of `name`
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo (set clip_low/high ~3e-4/4e-4) | cispo (clip_low 1)
     clip_low: float = 0.2
@@ -146,7 +152,8 @@ class AlgoConfig:
 
     @property
     def estimator(self) -> str:
-        return self.advantage or ALGORITHMS.get(self.name, self.name)
+        """The advantage estimator's registry name: `advantage`, else the one `name` stands for."""
+        return self.advantage or ("gae" if self.name == "ppo" else self.name)
 
 
 @dataclass
@@ -187,7 +194,7 @@ class ClusterConfig:
     timeout_s: float = 600.0
     # how Ray Train places the training workers over the nodes: PACK (as few nodes as possible) or SPREAD (as
     # many as possible); checked in placement.plan_placement
-    placement_strategy: str = "PACK"
+    placement_strategy: PlacementStrategy = "PACK"
 
 
 @dataclass
@@ -211,7 +218,7 @@ class OutputConfig:
     wandb: bool = False
     wandb_project: str = "yatt_ray"
     wandb_entity: str = ""  # "" = the logged-in user's default entity
-    wandb_mode: str = ""  # "", "online", "offline" or "disabled"
+    wandb_mode: WandbMode = ""  # "": W&B's own default ($WANDB_MODE, else online)
 
 
 @dataclass
@@ -356,6 +363,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(inner, value, key)
+    if origin is typing.Literal:  # membership is checked by validate, with every other problem
+        return value
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping (for example {key}.endpoint_url=...)")
@@ -378,221 +387,209 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
 
 
 def validate(config: Config) -> None:
-    """Check values that need no cluster or files: ranges, orderings and registered names."""
+    """Check values that need no cluster or files: each section on its own, then what spans sections."""
+    errors = _field_errors(config)
+    errors += _train_errors(config.train) + _data_errors(config.data) + _rollout_errors(config.rollout)
+    errors += _algo_errors(config.algo) + _critic_errors(config.critic) + _reward_errors(config.reward)
+    errors += _placement_errors(config.placement) + _checkpoint_errors(config.checkpoint)
+    errors += _cluster_errors(config.cluster) + _cross_section_errors(config)
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _failed(checks: list[tuple[bool, str]]) -> list[str]:
+    """The messages of the checks that fail."""
+    return [message for ok, message in checks if not ok]
+
+
+def _field_errors(node: Any, prefix: str = "") -> list[str]:
+    """What the field types say, over the whole tree: a mode outside its `Literal` (one source for each list of
+    valid names), a float that is inf or nan (no key takes those: null turns options off)."""
+    errors = []
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            errors += _field_errors(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            errors.append(
+                f"{key}={value} must be a finite number; give a real value (or null where the key allows it, "
+                "to turn the option off)"
+            )
+        elif typing.get_origin(hints[f.name]) is typing.Literal and value not in typing.get_args(
+            hints[f.name]
+        ):
+            errors.append(_unknown_choice(key, value, typing.get_args(hints[f.name])))
+    return errors
+
+
+def _unknown_choice(key: str, value: Any, choices: tuple) -> str:
+    return f"{key}={value!r} is unknown; valid: {', '.join(repr(c) if c == '' else str(c) for c in sorted(choices))}"
+
+
+def _train_errors(t: TrainConfig) -> list[str]:
+    return _failed([
+        (t.steps >= 1, f"train.steps={t.steps} must be >= 1"),
+        (t.dp_size >= 1, f"train.dp_size={t.dp_size} must be >= 1 (the number of data-parallel groups)"),
+        (t.tp_size >= 1, f"train.tp_size={t.tp_size} must be >= 1"),
+        (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1"),
+        (t.lr > 0, f"train.lr={t.lr} must be > 0"),
+        (t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
+         f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 1 (or null)"),
+    ])  # fmt: skip
+
+
+def _data_errors(d: DataConfig) -> list[str]:
+    return _failed([(d.max_prompt_tokens >= 1, f"data.max_prompt_tokens={d.max_prompt_tokens} must be >= 1")])
+
+
+def _rollout_errors(r: RolloutConfig) -> list[str]:
+    return _failed([
+        (r.kv_cache_gb > 0, f"rollout.kv_cache_gb={r.kv_cache_gb} must be > 0 (GiB)"),
+        (r.n >= 1, f"rollout.n={r.n} must be >= 1"),
+        (r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1"),
+        (r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0"),
+        (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
+    ])  # fmt: skip
+
+
+def _algo_errors(a: AlgoConfig) -> list[str]:
     from yatt_ray.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-    from yatt_ray.reward import resolve_reward_fn
+    from yatt_ray.algos.losses import check_clip
 
-    errors: list[str] = _non_finite_errors(config)
-
-    def need(cond: bool, message: str) -> None:
-        if not cond:
-            errors.append(message)
-
-    t, r, a = config.train, config.rollout, config.algo
-    need(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
-    need(t.dp_size >= 1, f"train.dp_size={t.dp_size} must be >= 1 (the number of data-parallel groups)")
-    need(t.tp_size >= 1, f"train.tp_size={t.tp_size} must be >= 1")
-    need(
-        t.dp_size < 1 or (t.prompts_per_step >= t.dp_size and t.prompts_per_step % t.dp_size == 0),
-        f"train.prompts_per_step={t.prompts_per_step} must be a positive multiple of train.dp_size={t.dp_size} "
-        "(each data-parallel group takes the same number of prompts)",
-    )
-    need(
-        config.data.max_prompt_tokens >= 1,
-        f"data.max_prompt_tokens={config.data.max_prompt_tokens} must be >= 1",
-    )
-    need(r.kv_cache_gb > 0, f"rollout.kv_cache_gb={r.kv_cache_gb} must be > 0 (GiB)")
-    need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    need(t.lr > 0, f"train.lr={t.lr} must be > 0")
-    need(r.n >= 1, f"rollout.n={r.n} must be >= 1")
-    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    need(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0")
-    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
-    need(r.engine in ("auto", "vllm", "hf"), f"rollout.engine={r.engine!r} is unknown; valid: auto, hf, vllm")
-    need(
-        not (r.engine == "vllm" and t.tp_size > 1),
-        f"rollout.engine='vllm' with train.tp_size={t.tp_size}: the colocated vLLM engine needs tp_size=1 for now "
-        "(vLLM creates its process groups over all training ranks); use rollout.engine=auto (Hugging Face "
-        "generate on the controller) or train.tp_size=1",
-    )
-    need(
-        a.name in ALGORITHMS,
-        f"algo.name={a.name!r} is unknown; valid: {', '.join(sorted(ALGORITHMS))} (or set algo.advantage)",
-    )
-    need(
-        0 < a.clip_low <= 1,
-        f"algo.clip_low={a.clip_low} must be in (0, 1]: the ratio is clipped at 1 - clip_low (1: no lower bound)",
-    )
-    need(a.clip_high > 0, f"algo.clip_high={a.clip_high} must be > 0")
-    if a.dual_clip is not None:
-        need(
-            a.dual_clip > 1 + a.clip_high,
-            f"algo.dual_clip={a.dual_clip} must exceed 1 + algo.clip_high = {1 + a.clip_high} (clip ranges out "
-            "of order: the dual clip bounds the loss above the upper clip)",
-        )
-    need(a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL term)")
-    if a.kl_target is not None:
-        need(
-            a.kl_in_reward,
-            "algo.kl_target (adaptive KL) acts on the KL reward penalty: set algo.kl_in_reward=true",
-        )
-        need(a.kl_target > 0 and a.kl_horizon > 0, "algo.kl_target and algo.kl_horizon must be > 0")
-    need(a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
-    rows = t.prompts_per_step // max(t.dp_size, 1) * r.n
-    need(
-        1 <= a.ppo_mini_batches <= rows,
-        f"algo.ppo_mini_batches={a.ppo_mini_batches} must be in [1, {rows}] (the samples of one group's step)",
-    )
-    need(
-        a.dual_clip is None or a.policy_loss == "ppo_clip",
-        f"algo.dual_clip applies to algo.policy_loss=ppo_clip only, not {a.policy_loss!r}; unset it",
-    )
-    need(
-        a.clip_low < 1 or a.policy_loss == "cispo",
-        f"algo.clip_low=1 (no lower bound) suits cispo only; {a.policy_loss} needs algo.clip_low < 1",
-    )
-    need(
-        a.kl_target is None or a.kl_coef > 0,
-        "algo.kl_target adapts algo.kl_coef from its initial value: set algo.kl_coef > 0",
-    )
-    need(
-        0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"algo.gamma={a.gamma} and algo.lam={a.lam} must be in [0, 1]"
-    )
-    need(a.tis_cap is None or a.tis_cap >= 1, f"algo.tis_cap={a.tis_cap} must be >= 1 (or null to disable)")
+    errors = []
+    try:
+        check_clip(a.clip_low, a.clip_high, a.policy_loss)  # the losses' own domain: one source of the bounds
+    except ValueError as exc:
+        errors.append(f"algo.{exc} (policy_loss={a.policy_loss})")
+    errors += _failed([
+        (a.dual_clip is None or a.dual_clip > 1 + a.clip_high,
+         f"algo.dual_clip={a.dual_clip} must exceed 1 + algo.clip_high = {1 + a.clip_high} (clip ranges out of "
+         "order: the dual clip bounds the loss above the upper clip)"),
+        (a.dual_clip is None or a.policy_loss == "ppo_clip",
+         f"algo.dual_clip applies to algo.policy_loss=ppo_clip only, not {a.policy_loss!r}; unset it"),
+        (a.kl_coef >= 0, f"algo.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL term)"),
+        (a.kl_target is None or a.kl_in_reward,
+         "algo.kl_target (adaptive KL) acts on the KL reward penalty: set algo.kl_in_reward=true"),
+        (a.kl_target is None or (a.kl_target > 0 and a.kl_horizon > 0),
+         "algo.kl_target and algo.kl_horizon must be > 0"),
+        (a.kl_target is None or a.kl_coef > 0,
+         "algo.kl_target adapts algo.kl_coef from its initial value: set algo.kl_coef > 0"),
+        (a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1"),
+        (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"algo.gamma={a.gamma} and algo.lam={a.lam} must be in [0, 1]"),
+        (a.tis_cap is None or a.tis_cap >= 1, f"algo.tis_cap={a.tis_cap} must be >= 1 (or null to disable)"),
+    ])  # fmt: skip
     for key, value, registry in (
         ("algo.advantage", a.estimator, ADVANTAGE_ESTIMATORS),
         ("algo.policy_loss", a.policy_loss, POLICY_LOSSES),
         ("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS),
         ("algo.loss_agg", a.loss_agg, LOSS_AGGREGATIONS),
     ):
-        need(value in registry, f"{key}={value!r} is unknown; valid: {', '.join(sorted(registry.names()))}")
-    if a.estimator in ADVANTAGE_ESTIMATORS:
-        estimator = ADVANTAGE_ESTIMATORS.get(a.estimator)
-        need(
-            not estimator.needs_critic or config.critic.enable,
-            f"algo.advantage={a.estimator!r} needs a value model; set critic.enable=true (PPO) or pick an "
-            "estimator without a critic (grpo, rloo, reinforce_pp, remax)",
-        )
-        need(
-            not estimator.needs_group or r.n >= 2,
-            f"rollout.n={r.n}: {a.estimator} compares samples within a prompt's group; set rollout.n >= 2",
-        )
-    c = config.critic
-    if c.enable and a.estimator in ADVANTAGE_ESTIMATORS:
-        need(
-            ADVANTAGE_ESTIMATORS.get(a.estimator).needs_critic,
-            f"critic.enable=true but algo.advantage={a.estimator!r} uses no value model; use algo.name=ppo "
-            "(GAE) or set critic.enable=false",
-        )
-    need(
-        c.warmup_steps == 0 or c.enable,
-        f"critic.warmup_steps={c.warmup_steps} freezes the policy to train a critic, but critic.enable=false",
-    )
-    need(c.lr > 0, f"critic.lr={c.lr} must be > 0")
-    need(c.value_clip is None or c.value_clip > 0, f"critic.value_clip={c.value_clip} must be > 0 (or null)")
-    need(
-        0 <= c.warmup_steps < t.steps,
-        f"critic.warmup_steps={c.warmup_steps} must be in [0, train.steps={t.steps})",
-    )
-    need(
-        t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
-        f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be >= 1 (or null)",
-    )
-    errors += _checkpoint_errors(config.checkpoint, t.steps)
-    try:
-        resolve_reward_fn(config.reward.function)
-    except ConfigError as exc:
-        errors.append(str(exc))
-    _validate_reward(config, need)
-    need(
-        config.cluster.cpus_per_worker >= 1,
-        f"cluster.cpus_per_worker={config.cluster.cpus_per_worker} must be >= 1",
-    )
-    need(config.cluster.timeout_s > 0, f"cluster.timeout_s={config.cluster.timeout_s} must be > 0")
-    if errors:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
-
-
-def _non_finite_errors(node: Any, prefix: str = "") -> list[str]:
-    """Every float field of the config tree that is inf or nan (no key takes those: null turns options off)."""
-    errors = []
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            errors += _non_finite_errors(value, prefix + f.name + ".")
-        elif isinstance(value, float) and not math.isfinite(value):
-            errors.append(
-                f"{prefix}{f.name}={value} must be a finite number; give a real value (or null where the key "
-                "allows it, to turn the option off)"
-            )
+        if value not in registry:
+            errors.append(f"{key}={value!r} is unknown; valid: {', '.join(sorted(registry.names()))}")
     return errors
 
 
-def _validate_reward(config: Config, need: Callable[[bool, str], None]) -> None:
+def _critic_errors(c: CriticConfig) -> list[str]:
+    return _failed([
+        (c.warmup_steps == 0 or c.enable,
+         f"critic.warmup_steps={c.warmup_steps} freezes the policy to train a critic, but critic.enable=false"),
+        (c.lr > 0, f"critic.lr={c.lr} must be > 0"),
+        (c.value_clip is None or c.value_clip > 0, f"critic.value_clip={c.value_clip} must be > 0 (or null)"),
+    ])  # fmt: skip
+
+
+def _reward_errors(rw: RewardConfig) -> list[str]:
+    g = rw.genrm
+    errors = _failed([
+        (0 <= rw.genrm_weight <= 1, f"reward.genrm_weight={rw.genrm_weight} must be in [0, 1]"),
+        (g.accelerators_per_replica == 1 or g.engine == "vllm",
+         f"reward.genrm.accelerators_per_replica={g.accelerators_per_replica} spreads the judge with vLLM's "
+         "tensor parallelism: set reward.genrm.engine=vllm"),
+        (g.max_retries >= 0, f"reward.genrm.max_retries={g.max_retries} must be >= 0"),
+        (g.max_replicas is None or g.max_replicas >= g.replicas,
+         f"reward.genrm.max_replicas={g.max_replicas} must be >= reward.genrm.replicas={g.replicas} (or null)"),
+    ])  # fmt: skip
+    for key in ("max_new_tokens", "max_prompt_tokens", "replicas", "accelerators_per_replica", "batch_size"):
+        if getattr(g, key) < 1:
+            errors.append(f"reward.genrm.{key}={getattr(g, key)} must be >= 1")
+    for key in ("timeout_s", "idle_release_s", "kv_cache_gb"):
+        if not getattr(g, key) > 0:
+            errors.append(f"reward.genrm.{key}={getattr(g, key)} must be > 0")
+    return errors
+
+
+def _placement_errors(p: PlacementConfig) -> list[str]:
+    return _failed([(0 < p.genrm_share < 1, f"placement.genrm_share={p.genrm_share} must be in (0, 1)")])
+
+
+def _cluster_errors(c: ClusterConfig) -> list[str]:
+    return _failed([
+        (c.cpus_per_worker >= 1, f"cluster.cpus_per_worker={c.cpus_per_worker} must be >= 1"),
+        (c.timeout_s > 0, f"cluster.timeout_s={c.timeout_s} must be > 0"),
+    ])  # fmt: skip
+
+
+def _checkpoint_errors(c: CheckpointConfig) -> list[str]:
+    """The `checkpoint` section's problems, each naming the key, the value and the fix."""
+    return _failed([
+        (c.every_steps is None or c.every_steps >= 1,
+         f"checkpoint.every_steps={c.every_steps} must be >= 1 (or null to save by time only)"),
+        (c.every_minutes is None or c.every_minutes > 0,
+         f"checkpoint.every_minutes={c.every_minutes} must be > 0 (or null to save by steps only)"),
+        (c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be >= 1 (the newest checkpoint is always kept)"),
+        (c.keep_every is None or c.keep_every >= 1, f"checkpoint.keep_every={c.keep_every} must be >= 1 (or null)"),
+        (c.export_hf_every is None or c.export_hf_every >= 1,
+         f"checkpoint.export_hf_every={c.export_hf_every} must be >= 1 (or null)"),
+        (c.max_failures >= -1, f"checkpoint.max_failures={c.max_failures} must be >= 0 (or -1: retry without limit)"),
+        (bool(c.resume), "checkpoint.resume is empty; use auto, never, or a checkpoint folder / URL"),
+    ])  # fmt: skip
+
+
+def _cross_section_errors(config: Config) -> list[str]:
+    """What spans sections: sizes that must divide, an estimator's needs, steps named elsewhere, the functions
+    named by path (reward function, GenRM template and parser)."""
+    from yatt_ray.algos import ADVANTAGE_ESTIMATORS
+    from yatt_ray.reward import resolve_reward_fn
     from yatt_ray.reward.genrm import resolve_parser, resolve_template
 
-    rw, g, p = config.reward, config.reward.genrm, config.placement
-    need(rw.mode in ("rule", "genrm", "mix"), f"reward.mode={rw.mode!r} is unknown; valid: genrm, mix, rule")
-    need(
-        rw.on_error in ("raise", "zero"),
-        f"reward.on_error={rw.on_error!r} is unknown; valid: raise (stop on a sample the reward function fails "
-        "on), zero (score it 0 and count it in reward/errors)",
-    )
-    need(0 <= rw.genrm_weight <= 1, f"reward.genrm_weight={rw.genrm_weight} must be in [0, 1]")
-    need(p.mode in ("full", "partial"), f"placement.mode={p.mode!r} is unknown; valid: full, partial")
-    need(0 < p.genrm_share < 1, f"placement.genrm_share={p.genrm_share} must be in (0, 1)")
-    need(
-        g.on_parse_error in ("zero", "rule", "raise"),
-        f"reward.genrm.on_parse_error={g.on_parse_error!r} is unknown; valid: raise, rule, zero",
-    )
-    need(
-        g.engine in ("auto", "vllm", "hf"),
-        f"reward.genrm.engine={g.engine!r} is unknown; valid: auto, hf, vllm",
-    )
-    for key in ("max_new_tokens", "max_prompt_tokens", "replicas", "accelerators_per_replica", "batch_size"):
-        need(getattr(g, key) >= 1, f"reward.genrm.{key}={getattr(g, key)} must be >= 1")
-    need(
-        g.accelerators_per_replica == 1 or g.engine == "vllm",
-        f"reward.genrm.accelerators_per_replica={g.accelerators_per_replica} spreads the judge with vLLM's tensor "
-        "parallelism: set reward.genrm.engine=vllm",
-    )
-    need(g.max_retries >= 0, f"reward.genrm.max_retries={g.max_retries} must be >= 0")
-    for key in ("timeout_s", "idle_release_s", "kv_cache_gb"):
-        need(getattr(g, key) > 0, f"reward.genrm.{key}={getattr(g, key)} must be > 0")
-    need(
-        g.max_replicas is None or g.max_replicas >= g.replicas,
-        f"reward.genrm.max_replicas={g.max_replicas} must be >= reward.genrm.replicas={g.replicas} (or null)",
-    )
-    if rw.mode != "rule":
-        for check in (lambda: resolve_template(g.template), lambda: resolve_parser(g.parser)):
-            try:
-                check()
-            except ConfigError as exc:
-                need(False, str(exc))
-
-
-def _checkpoint_errors(c: CheckpointConfig, steps: int) -> list[str]:
-    """The `checkpoint` section's problems, each naming the key, the value and the fix."""
-    errors = []
-    if c.every_steps is not None and c.every_steps < 1:
-        errors.append(f"checkpoint.every_steps={c.every_steps} must be >= 1 (or null to save by time only)")
-    if c.every_minutes is not None and not c.every_minutes > 0:
-        errors.append(
-            f"checkpoint.every_minutes={c.every_minutes} must be > 0 (or null to save by steps only)"
-        )
-    if c.keep_last < 1:
-        errors.append(
-            f"checkpoint.keep_last={c.keep_last} must be >= 1 (the newest checkpoint is always kept)"
-        )
-    if c.keep_every is not None and c.keep_every < 1:
-        errors.append(f"checkpoint.keep_every={c.keep_every} must be >= 1 (or null)")
-    if c.export_hf_every is not None and c.export_hf_every < 1:
-        errors.append(f"checkpoint.export_hf_every={c.export_hf_every} must be >= 1 (or null)")
-    bad = [s for s in c.export_hf_steps if not 1 <= s <= steps]
-    if bad:
-        errors.append(f"checkpoint.export_hf_steps={bad} must be steps in [1, train.steps={steps}]")
-    if c.max_failures < -1:
-        errors.append(f"checkpoint.max_failures={c.max_failures} must be >= 0 (or -1: retry without limit)")
-    if not c.resume:
-        errors.append("checkpoint.resume is empty; use auto, never, or a checkpoint folder / URL")
+    t, r, a, c = config.train, config.rollout, config.algo, config.critic
+    rows = t.prompts_per_step // max(t.dp_size, 1) * r.n
+    bad_exports = [s for s in config.checkpoint.export_hf_steps if not 1 <= s <= t.steps]
+    errors = _failed([
+        (t.dp_size < 1 or (t.prompts_per_step >= t.dp_size and t.prompts_per_step % t.dp_size == 0),
+         f"train.prompts_per_step={t.prompts_per_step} must be a positive multiple of train.dp_size={t.dp_size} "
+         "(each data-parallel group takes the same number of prompts)"),
+        (not (r.engine == "vllm" and t.tp_size > 1),
+         f"rollout.engine='vllm' with train.tp_size={t.tp_size}: the colocated vLLM engine needs tp_size=1 for "
+         "now (vLLM creates its process groups over all training ranks); use rollout.engine=auto (Hugging Face "
+         "generate on the controller) or train.tp_size=1"),
+        (1 <= a.ppo_mini_batches <= rows,
+         f"algo.ppo_mini_batches={a.ppo_mini_batches} must be in [1, {rows}] (the samples of one group's step)"),
+        (0 <= c.warmup_steps < t.steps,
+         f"critic.warmup_steps={c.warmup_steps} must be in [0, train.steps={t.steps}): lower "
+         "critic.warmup_steps or raise train.steps"),
+        (not bad_exports, f"checkpoint.export_hf_steps={bad_exports} must be steps in [1, train.steps={t.steps}]"),
+    ])  # fmt: skip
+    if a.estimator in ADVANTAGE_ESTIMATORS:
+        estimator = ADVANTAGE_ESTIMATORS.get(a.estimator)
+        errors += _failed([
+            (not estimator.needs_critic or c.enable,
+             f"algo.advantage={a.estimator!r} needs a value model; set critic.enable=true (PPO) or pick an "
+             "estimator without a critic (grpo, rloo, reinforce_pp, remax)"),
+            (not estimator.needs_group or r.n >= 2,
+             f"rollout.n={r.n}: {a.estimator} compares samples within a prompt's group; set rollout.n >= 2"),
+            (not c.enable or estimator.needs_critic,
+             f"critic.enable=true but algo.advantage={a.estimator!r} uses no value model; use algo.name=ppo "
+             "(GAE) or set critic.enable=false"),
+        ])  # fmt: skip
+    checks: list[Callable[[], object]] = [lambda: resolve_reward_fn(config.reward.function)]
+    if config.reward.mode != "rule":
+        g = config.reward.genrm
+        checks += [lambda: resolve_template(g.template), lambda: resolve_parser(g.parser)]
+    for check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            errors.append(str(exc))
     return errors

@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from yatt_ray.config import Config
-from yatt_ray.errors import ConfigError, PlacementError
+from yatt_ray.errors import PlacementError
 
 DATA_CPUS = 1  # kept free for Ray Data's read tasks; without one the prompt streams would stall
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD")  # `cluster.placement_strategy`, passed to Ray Train's ScalingConfig
 GIB = 2**30
 
 
@@ -141,12 +140,6 @@ def plan_placement(
 ) -> PlacementPlan:
     """The plan for `config` on a cluster with `cluster` total resources, checked (resources, divisibility,
     and memory when `placement.gpu_memory_gb` and `sizes` are given)."""
-    if config.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
-        raise ConfigError(
-            f"cluster.placement_strategy={config.cluster.placement_strategy!r} is not one of "
-            f"{list(PLACEMENT_STRATEGIES)}: PACK puts the training workers on as few nodes as possible, SPREAD "
-            "on as many as possible"
-        )
     use_gpu = config.cluster.use_gpu
     if use_gpu is None:
         use_gpu = cluster.get("GPU", 0.0) >= 1

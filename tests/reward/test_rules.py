@@ -145,5 +145,5 @@ def test_scorer_counts_errors_with_on_error_zero(name):
 
 def test_on_error_is_validated():
     assert load_config(None, ["reward.on_error=zero"]).reward.on_error == "zero"
-    with pytest.raises(ConfigError, match="reward.on_error='skip' is unknown; valid: raise .*, zero"):
+    with pytest.raises(ConfigError, match="reward.on_error='skip' is unknown; valid: raise, zero"):
         load_config(None, ["reward.on_error=skip"])

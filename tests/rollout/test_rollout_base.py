@@ -102,7 +102,7 @@ def test_read_eos_token_ids(model_dirs, tmp_path):
 
 def test_make_engine_unknown_kind_lists_the_valid_ones(model_dirs):
     with pytest.raises(
-        UnknownNameError, match="unknown rollout engine kind 'vlm'; valid kinds: vllm, hf, auto"
+        UnknownNameError, match="unknown rollout engine kind 'vlm'; valid kinds: auto, vllm, hf"
     ):
         make_engine("vlm", model_dirs[0])
 

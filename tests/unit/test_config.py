@@ -40,7 +40,7 @@ def test_round_trip_through_dict():
             "algo.policy_loss=gspo algo.dual_clip=3",
             "algo.dual_clip applies to algo.policy_loss=ppo_clip only",
         ),
-        ("algo.clip_low=1", "algo.clip_low=1 (no lower bound) suits cispo only"),
+        ("algo.clip_low=1", "algo.clip_low must be in [0, 1) (1, no lower bound, suits cispo only), got 1.0"),
         ("critic.enable=true", "critic.enable=true but algo.advantage='grpo' uses no value model"),
         ("critic.warmup_steps=3", "critic.warmup_steps=3 freezes the policy to train a critic"),
         ("algo.ppo_mini_batches=1000", "algo.ppo_mini_batches=1000 must be in [1, 128]"),
@@ -143,3 +143,16 @@ def test_genrm_template_errors_name_the_key(template, fragment):
 def test_eval_files_default_is_unset_and_an_empty_list_is_kept():
     assert load_config(None).data.eval_files is None
     assert load_config(EXAMPLE, ["data.eval_files=[]"]).data.eval_files == []
+
+
+def test_modes_are_checked_from_their_literal_types_also_when_set_in_code():
+    """One source of valid names: the field's Literal type (set in code after loading, not only from YAML)."""
+    from yatt_ray.config import Config, validate
+
+    config = Config()
+    config.placement.mode = "half"  # type: ignore[assignment]
+    config.rollout.engine = "sglang"  # type: ignore[assignment]
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert "placement.mode='half' is unknown; valid: full, partial" in str(info.value)
+    assert "rollout.engine='sglang' is unknown; valid: auto, hf, vllm" in str(info.value)

