@@ -216,7 +216,6 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, out
     """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     import ray
 
-    from yatt_ray.metrics.history import one_curve
     from yatt_ray.metrics.hub import start_hub
     from yatt_ray.progress import DriverProgress
     from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
@@ -247,7 +246,9 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, out
         signals.close()
         if plan.genrm is not None:
             shutdown_genrm()
-        redone = one_curve(progress, output_dir)
+        redone = progress.curve.redone
+        if redone:
+            log.warning("%d steps were redone after a restart; the metrics keep their last version", redone)
         progress.close()  # metrics so far are flushed and plotted even when the run fails
     fatal = ray.get(control.fatal.remote(), timeout=config.cluster.timeout_s)
     if fatal is not None:  # a deterministic error in a worker: raised once, with its type, never retried

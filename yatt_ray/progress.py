@@ -22,6 +22,7 @@ from typing import Any
 
 from yatt_ray.config import Config
 from yatt_ray.metrics import timeline
+from yatt_ray.metrics.history import OneCurve
 
 REPORT_KEYS = ("reward_mean", "accuracy", "eval/reward_mean", "eval/accuracy")
 
@@ -31,7 +32,7 @@ class DriverProgress:
         from yatt_ray.metrics.sinks import MultiSink, build_sinks
 
         self.hub, self.config, self.output_dir = hub, config, output_dir
-        self.history: list[dict[str, float]] = []
+        self.curve = OneCurve()  # one curve as rows arrive: a restart's redone steps replace their old rows
         self.spans: list[timeline.Span] = []
         self.idle: dict[int, dict[str, float]] = {}  # step -> accelerator -> idle fraction, settled steps
         self._rows_seen = 0
@@ -40,7 +41,7 @@ class DriverProgress:
         if config.output.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=config.train.steps, desc="grpo", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=config.train.steps, desc=config.algo.name, unit="step", dynamic_ncols=True)
 
     def poll(self) -> None:
         """Fetch rows and spans pushed since the last poll (a timeout keeps a dead cluster from hanging the
@@ -63,8 +64,13 @@ class DriverProgress:
             self.spans.extend(timeline.from_wire(wire_spans))
             self._settle(timeline.last_settled_step(self.spans))
 
+    @property
+    def history(self) -> list[dict[str, float]]:
+        return self.curve.rows
+
     def _record(self, row: dict[str, float]) -> None:
-        self.history.append(row)
+        if self.curve.add(row):  # steps redone after a restart: the file keeps one curve too
+            self.sink.rewind(self.curve.rows[:-1])
         self.sink.write(int(row.get("step", 0)), {k: v for k, v in row.items() if k != "step"})
 
     def _settle(self, up_to: int | None) -> None:

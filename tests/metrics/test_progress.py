@@ -109,3 +109,26 @@ def test_idle_helpers():
     assert idle_stats({"a": 0.25, "b": 0.75}) == {"idle/mean": 0.5, "idle/max": 0.75}
     assert idle_stats({}) == {}
     assert idle_report_line({}, []) == ""
+
+
+def test_redone_steps_keep_one_curve_in_the_history_and_in_metrics_jsonl(tmp_path):
+    """A restart from the step-2 checkpoint redoes steps 3-4: the file is written as one curve while the run
+    goes (no rewrite afterwards), and the count of redone steps is kept."""
+    progress = DriverProgress(None, _config(), tmp_path)
+    first = [{"step": float(s), "reward_mean": 0.1 * s, "accuracy": 0.0} for s in (1, 2, 3, 4)]
+    progress.receive(first + [{"step": 2.0, "checkpoint/resumed_from": 2.0}])
+    redone = [{"step": float(s), "reward_mean": 1.0 + s, "accuracy": 1.0} for s in (3, 4, 5)]
+    progress.receive(redone)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")  # before close: already one curve
+    train = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+    assert [r["reward_mean"] for r in train][2:] == [4.0, 5.0, 6.0]
+    assert progress.curve.redone == 2 and [r["step"] for r in progress.history if "reward_mean" in r] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    progress.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == rows

@@ -7,13 +7,7 @@ step s arrives, the earlier training rows for steps >= s are dropped (the same f
 
 from __future__ import annotations
 
-import json
-import logging
-from pathlib import Path
-
 RESUME_KEY = "checkpoint/resumed_from"
-
-log = logging.getLogger(__name__)
 
 
 def row_kind(row: dict[str, float]) -> str:
@@ -26,30 +20,32 @@ def row_kind(row: dict[str, float]) -> str:
     return "eval" if any(k.startswith("eval/") for k in row) else "train"
 
 
+class OneCurve:
+    """The run's metric rows as one curve, kept as they arrive: a row of kind k for step s drops the earlier
+    rows of kind k for steps >= s (the steps a restart redid). `redone` counts the dropped training rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+        self.redone = 0
+
+    def add(self, row: dict[str, float]) -> bool:
+        """Append `row`; True when it replaced earlier rows (the curve went back)."""
+        kind, step = row_kind(row), row.get("step", 0)
+        stale = (
+            []
+            if kind == "checkpoint"
+            else [r for r in self.rows if row_kind(r) == kind and r.get("step", 0) >= step]
+        )
+        if stale:
+            self.redone += sum(1 for r in stale if kind == "train")
+            self.rows = [r for r in self.rows if not any(r is x for x in stale)]
+        self.rows.append(row)
+        return bool(stale)
+
+
 def rewind_history(rows: list[dict[str, float]]) -> tuple[list[dict[str, float]], int]:
     """(rows with redone steps replaced by their last version, how many training rows were dropped)."""
-    kept: list[dict[str, float]] = []
-    dropped = 0
+    curve = OneCurve()
     for row in rows:
-        kind, step = row_kind(row), row.get("step", 0)
-        if kind != "checkpoint":
-            stale = [r for r in kept if row_kind(r) == kind and r.get("step", 0) >= step]
-            dropped += sum(1 for r in stale if kind == "train")
-            kept = [r for r in kept if not any(r is s for s in stale)]
-        kept.append(row)
-    return kept, dropped
-
-
-def one_curve(progress, output_dir: Path) -> int:
-    """Replace redone steps' rows in `progress.history` and metrics.jsonl by their last version; return how
-    many training rows were dropped (steps redone after restarts)."""
-    rows, dropped = rewind_history(progress.history)
-    if dropped:
-        progress.history[:] = rows
-        path = output_dir / "metrics.jsonl"
-        if path.exists():
-            lines = [json.dumps({"step": int(r.get("step", 0)), **{k: v for k, v in r.items() if k != "step"}})
-                     for r in rows]  # fmt: skip
-            path.write_text("".join(line + "\n" for line in lines))
-        log.warning("%d steps were redone after a restart; the metrics keep their last version", dropped)
-    return dropped
+        curve.add(row)
+    return curve.rows, curve.redone

@@ -84,10 +84,15 @@ def validate_metrics(step: Any, metrics: Mapping[str, Any]) -> dict[str, int | f
 
 
 class Sink:
-    """Base class: ``write(step, metrics)`` and ``close()``; usable as a context manager."""
+    """Base class: ``write(step, metrics)``, ``rewind(rows)`` and ``close()``; usable as a context manager."""
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         raise NotImplementedError
+
+    def rewind(self, rows: list[dict[str, float]]) -> None:
+        """The curve went back (a restart redoes steps): `rows` is what it holds now, before the next write.
+        Append-only stores (TensorBoard, MLflow, W&B) keep both versions of a redone step; the default
+        does nothing."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -118,6 +123,14 @@ class JsonlSink(Sink):
             raise RuntimeError(f"JsonlSink({str(self.path)!r}) is closed; create a new sink to write more")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def rewind(self, rows: list[dict[str, float]]) -> None:
+        """Rewrite the file as `rows` (this sink is the file's one writer, so it holds one curve)."""
+        self._file.close()
+        lines = [json.dumps({"step": int(r.get("step", 0)), **{k: v for k, v in r.items() if k != "step"}})
+                 for r in rows]  # fmt: skip
+        self.path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        self._file = self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:
         self._file.close()
@@ -370,6 +383,10 @@ class MultiSink(Sink):
         values = validate_metrics(step, metrics)
         for sink in self.sinks:
             sink.write(step, values)
+
+    def rewind(self, rows: list[dict[str, float]]) -> None:
+        for sink in self.sinks:
+            sink.rewind(rows)
 
     def close(self) -> None:
         first: BaseException | None = None
