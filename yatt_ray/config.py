@@ -31,15 +31,28 @@ AlgoName = Literal["grpo", "ppo", "rloo", "reinforce_pp", "remax"]  # each names
 WandbMode = Literal["", "online", "offline", "disabled"]
 
 
+class _Section:
+    """Base of every config section: mutable until `Config.freeze()`, read-only after it (the driver resolves
+    the config once, freezes it, and ships that to the workers and GenRM replicas)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise ConfigError(
+                f"the config is frozen (the driver resolved it for this run): {type(self).__name__}.{name} "
+                "cannot change now; set it before fit(), or pass an override"
+            )
+        super().__setattr__(name, value)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """The policy. `path` is a Hugging Face directory (Llama architecture); empty builds the demo model."""
 
     path: str = ""
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     """Prompt data: parquet or jsonl files (local paths, globs or fsspec URLs); empty generates the demo task."""
 
     train_files: list[str] = field(default_factory=list)
@@ -55,7 +68,7 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(_Section):
     """Generation: engine kind, samples per prompt and sampling parameters."""
 
     engine: EngineKind = "auto"
@@ -68,7 +81,7 @@ class RolloutConfig:
 
 
 @dataclass
-class GenRMConfig:
+class GenRMConfig(_Section):
     """The generative reward model (judge), served by Ray Serve when `reward.mode` is genrm or mix.
 
     `template`: a string with {prompt}, {response}, {ground_truth}, or `pkg.mod:fn` returning the judge
@@ -97,7 +110,7 @@ class GenRMConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(_Section):
     """How responses are scored: `mode` rule (the rule function), genrm (the judge) or mix
     (`(1 - genrm_weight) * rule + genrm_weight * genrm`). `function` is a built-in rule name or a user
     function as `package.module:function` (sync or async). `on_error`: when the function raises on a sample,
@@ -112,7 +125,7 @@ class RewardConfig:
 
 
 @dataclass
-class PlacementConfig:
+class PlacementConfig(_Section):
     """full: every role shares every accelerator, phases in series; partial: GenRM replicas on their own
     slice (`reward.genrm.replicas` x `accelerators_per_replica`), judging while rollouts generate."""
 
@@ -122,7 +135,7 @@ class PlacementConfig:
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(_Section):
     """The RL algorithm: advantage estimator, policy loss, KL to the reference and aggregation.
 
     `name` picks the algorithm (grpo, ppo, rloo, reinforce_pp, remax) and with it the advantage estimator;
@@ -157,7 +170,7 @@ class AlgoConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(_Section):
     """The value model for PPO: a Megatron trunk with a scalar head, colocated with the policy."""
 
     enable: bool = False
@@ -168,7 +181,7 @@ class CriticConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     """Optimisation and parallelism. `prompts_per_step` counts prompts over all data-parallel groups."""
 
     steps: int = 80
@@ -185,7 +198,7 @@ class TrainConfig:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(_Section):
     """Where to run. `address` None starts (or joins, under `ray job submit`) a cluster; `use_gpu` None = auto."""
 
     address: str | None = None
@@ -198,7 +211,7 @@ class ClusterConfig:
 
 
 @dataclass
-class OutputConfig:
+class OutputConfig(_Section):
     """Where results go: metrics.jsonl, TensorBoard events, the reward plot and checkpoints.
 
     `mlflow` / `wandb` also send every metric row and the config (as params) to MLflow / Weights & Biases
@@ -222,7 +235,7 @@ class OutputConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     """Checkpoints: where, how often, what to keep, and how a run resumes (see README, "Checkpoints and resume").
 
     `dir` is a local path or any fsspec URL ("" = `<run output folder>/checkpoints`). A save is due every
@@ -248,7 +261,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class DemoConfig:
+class DemoConfig(_Section):
     """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
 
     sft_steps: int = 250
@@ -259,7 +272,7 @@ class DemoConfig:
 
 
 @dataclass
-class Config:
+class Config(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -275,6 +288,19 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def freeze(self) -> Config:
+        """Make this config and every section read-only (an assignment raises `ConfigError`); returns self."""
+
+        def walk(node: Any) -> None:
+            for f in dataclasses.fields(node):
+                value = getattr(node, f.name)
+                if dataclasses.is_dataclass(value):
+                    walk(value)
+            object.__setattr__(node, "_frozen", True)
+
+        walk(self)
+        return self
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:

@@ -50,7 +50,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     from yatt_ray.run_control import run_guarded
 
     def train() -> None:
-        config = Config.from_dict(loop_config["config"])
+        config = Config.from_dict(loop_config["config"]).freeze()  # the driver's resolved config, read-only
         layout, roles = build_roles(config, loop_config)
         controller = GroupController(config, layout, roles)
         controller.open_checkpoints(loop_config)

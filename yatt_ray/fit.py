@@ -43,7 +43,10 @@ class Result:
 
 
 def fit(config: Config | dict | str | Path | None = None, overrides: list[str] | None = None) -> Result:
-    """Train with `config` (a Config, a dict, a YAML path, or None for the embedded demo) and return a Result."""
+    """Train with `config` (a Config, a dict, a YAML path, or None for the embedded demo) and return a Result.
+
+    The driver resolves a copy of the config once (the demo's inputs, absolute paths, the judge, the checkpoint
+    folder, the rollout engine kind), validates it again and freezes it before any worker starts."""
     config = _resolve_config(config, overrides)
     _prepare_inputs(config)
     files = _check_inputs(config)
@@ -57,6 +60,8 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     plan = plan_placement(config, ray.cluster_resources(), _model_sizes(config))
     real_gpus = _gpus_are_real(plan, config.cluster.timeout_s)
     _resolve_engine(config, real_gpus)
+    validate(config)  # the resolved config (paths, demo inputs, engine, checkpoint dir) is valid too ...
+    config.freeze()  # ... and from here on read-only: the workers and GenRM replicas get exactly this
     print(plan.describe() + f"\n  rollout engine: {config.rollout.engine}", flush=True)
     return _run(config, plan, files, real_gpus, output_dir)
 

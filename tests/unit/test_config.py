@@ -156,3 +156,19 @@ def test_modes_are_checked_from_their_literal_types_also_when_set_in_code():
         validate(config)
     assert "placement.mode='half' is unknown; valid: full, partial" in str(info.value)
     assert "rollout.engine='sglang' is unknown; valid: auto, hf, vllm" in str(info.value)
+
+
+def test_a_frozen_config_refuses_changes_and_survives_pickling():
+    import pickle
+
+    from yatt_ray.config import Config
+
+    config = Config().freeze()
+    with pytest.raises(ConfigError, match="the config is frozen.*RolloutConfig.engine cannot change now"):
+        config.rollout.engine = "hf"
+    genrm = pickle.loads(pickle.dumps(config.reward.genrm))  # what a GenRM replica receives
+    with pytest.raises(ConfigError, match="GenRMConfig.path"):
+        genrm.path = "/elsewhere"
+    thawed = Config.from_dict(config.to_dict())  # a copy is mutable again (fit() resolves its own copy)
+    thawed.rollout.engine = "hf"
+    assert thawed.rollout.engine == "hf" and config.rollout.engine == "auto"
