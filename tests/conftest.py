@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -133,3 +134,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()) or "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="module")
+def single_process_world():
+    """A world of size 1 (gloo, in-memory store) in the pytest process, with Megatron TP=1 on top of it.
+
+    Everything TP=1 runs here; TP=2 / DP=2 runs in spawned processes (see `dist_harness.py`). Torn down
+    after each module so no process group outlives these tests in a shared pytest session.
+    """
+    from yatt_ray.train import init_parallel_state
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_parallel_state(1)
+    yield
+    if owned:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

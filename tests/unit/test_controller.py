@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from yatt_ray.config import load_config
 from yatt_ray.controller import GroupController
@@ -20,22 +19,6 @@ from yatt_ray.roles import Layout, Roles
 from yatt_ray.rollout.base import Completion
 
 N_SAMPLES = 2  # rollout.n
-
-
-@pytest.fixture(scope="module")
-def world():
-    from yatt_ray.train import init_parallel_state
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    init_parallel_state(1)
-    yield
-    if owned:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 class FakePolicy:
@@ -145,7 +128,7 @@ def controller(**overrides) -> tuple[GroupController, list, FakePolicy, FakeEngi
     return ctrl, log, policy, engine, link
 
 
-def test_one_step_runs_the_phases_in_order_and_reduces_the_metrics(world):
+def test_one_step_runs_the_phases_in_order_and_reduces_the_metrics(single_process_world):
     ctrl, log, policy, engine, link = controller(**{"algo.kl_coef": 0.1})
     metrics = ctrl.step(1)
     assert log == ["generate", "old_logp", "ref_logp", "train", "weight_sync", "finish_weight_sync"]
@@ -161,7 +144,7 @@ def test_one_step_runs_the_phases_in_order_and_reduces_the_metrics(world):
     assert ctrl.prompt_feed.consumed == [0, 1, 2, 3]
 
 
-def test_each_phase_adds_its_batch_fields(world):
+def test_each_phase_adds_its_batch_fields(single_process_world):
     ctrl, _, policy, _, _ = controller(**{"algo.kl_coef": 0.1})
     ctrl.step(1)
     (trained,) = policy.batches
@@ -178,7 +161,7 @@ def test_each_phase_adds_its_batch_fields(world):
     torch.testing.assert_close(trained["tis_weights"], torch.full((8, 2), float(np.exp(-0.5))))
 
 
-def test_without_kl_there_is_no_reference_pass_and_no_kl_metric(world):
+def test_without_kl_there_is_no_reference_pass_and_no_kl_metric(single_process_world):
     ctrl, log, policy, _, _ = controller(**{"algo.kl_coef": 0.0, "algo.tis_cap": "null"})
     metrics = ctrl.step(1)
     assert "ref_logp" not in log and "kl" not in metrics
