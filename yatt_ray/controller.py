@@ -33,6 +33,7 @@ from yatt_ray.algos import (
 from yatt_ray.batch import RolloutBatch, pack
 from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.config import Config
+from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.reward.rules import score_with_rule
@@ -140,11 +141,11 @@ class GroupController:
             self.checkpoints.announce(self.resumed)
         first_eval = self.evaluate() if self.resumed is None else {}
         if first_eval:
-            self._push({"step": 0, **first_eval})
+            self._push("eval", {"step": 0, **first_eval})
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.train.steps + 1):
             last = self.step(step)
-            self._push({**last, **self.checkpoints.metrics()})
+            self._push("train", {**last, **self.checkpoints.metrics()})
             if self.layout.is_controller:
                 feed = self.prompt_feed
                 self.checkpoints.log_prompts(step, self.attempt, feed.last_ids, feed.epoch)
@@ -152,7 +153,7 @@ class GroupController:
                 break  # asked to stop: the checkpoint of this step is committed
         final_eval = self.evaluate() if self.checkpoints.stop_reason is None else {}
         if final_eval:
-            self._push({"step": cfg.train.steps, **final_eval})
+            self._push("eval", {"step": cfg.train.steps, **final_eval})
         self.checkpoints.finish(step, self.state)
         self._report_final({**last, **final_eval})
 
@@ -381,9 +382,9 @@ class GroupController:
         count = max(sums[2].item(), 1.0)
         return {"eval/reward_mean": sums[0].item() / count, "eval/accuracy": sums[1].item() / count}
 
-    def _push(self, row: dict[str, float]) -> None:
+    def _push(self, kind: RowKind, row: dict[str, float]) -> None:
         if self.layout.rank == 0:
-            self.hub.push(row)
+            self.hub.push(kind, row)
 
     def _report_final(self, metrics: dict[str, float]) -> None:
         import ray.train

@@ -22,7 +22,7 @@ from typing import Any
 
 from yatt_ray.config import Config
 from yatt_ray.metrics import timeline
-from yatt_ray.metrics.history import OneCurve
+from yatt_ray.metrics.history import MetricRow, OneCurve
 
 REPORT_KEYS = ("reward_mean", "accuracy", "eval/reward_mean", "eval/accuracy")
 
@@ -52,26 +52,28 @@ class DriverProgress:
         rows, spans = ray.get(refs, timeout=self.config.cluster.timeout_s)
         self.receive(rows, spans)
 
-    def receive(self, rows: Sequence[dict[str, float]], wire_spans: Sequence[Sequence[Any]] = ()) -> None:
+    def receive(self, rows: Sequence[MetricRow], wire_spans: Sequence[Sequence[Any]] = ()) -> None:
         """Take new metric rows and wire spans (what `poll` fetched): sinks, bar, idle of settled steps."""
         self._rows_seen += len(rows)
         for row in rows:
             self._record(row)
-            if self.bar is not None and "reward_mean" in row:
+            if self.bar is not None and row.kind == "train":
+                v = row.values
                 self.bar.update(1)
-                self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
+                self.bar.set_postfix(reward=f"{v['reward_mean']:.3f}", acc=f"{v['accuracy']:.3f}")
         if wire_spans:
             self.spans.extend(timeline.from_wire(wire_spans))
             self._settle(timeline.last_settled_step(self.spans))
 
     @property
     def history(self) -> list[dict[str, float]]:
-        return self.curve.rows
+        """The curve's rows as plain dicts (what `Result.history` holds)."""
+        return [r.values for r in self.curve.rows]
 
-    def _record(self, row: dict[str, float]) -> None:
+    def _record(self, row: MetricRow) -> None:
         if self.curve.add(row):  # steps redone after a restart: the file keeps one curve too
-            self.sink.rewind(self.curve.rows[:-1])
-        self.sink.write(int(row.get("step", 0)), {k: v for k, v in row.items() if k != "step"})
+            self.sink.rewind([r.values for r in self.curve.rows[:-1]])
+        self.sink.write(int(row.step), {k: v for k, v in row.values.items() if k != "step"})
 
     def _settle(self, up_to: int | None) -> None:
         """Compute and record the idle fractions of the steps up to ``up_to`` (None: all) not yet settled."""
@@ -82,7 +84,7 @@ class DriverProgress:
         }
         for step, fractions in timeline.idle_fractions(self.spans, windows).items():
             self.idle[step] = fractions
-            self._record({"step": float(step), **idle_stats(fractions)})
+            self._record(MetricRow("idle", {"step": float(step), **idle_stats(fractions)}))
 
     def close(self) -> None:
         self._settle(None)

@@ -9,26 +9,26 @@ from yatt_ray.checkpoint.training import _split_step
 from yatt_ray.config import load_config
 from yatt_ray.data.feed import ExcludeIds
 from yatt_ray.errors import ConfigError
-from yatt_ray.metrics.history import RESUME_KEY, rewind_history
+from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
 from yatt_ray.testing.faults import FAIL_WRITES
 
 
 def test_rewind_keeps_the_redone_steps_last_version():
     rows = [
-        {"step": 0, "eval/accuracy": 0.1},
-        *({"step": s, "reward_mean": s / 10} for s in (1, 2, 3, 4)),  # the attempt that died after step 4
-        {"step": 2, RESUME_KEY: 2},
-        {"step": 3, "reward_mean": 0.33},
-        {"step": 4, "reward_mean": 0.44},
-        {"step": 5, "reward_mean": 0.55},
-        {"step": 5, "eval/accuracy": 0.5},
+        MetricRow("eval", {"step": 0, "eval/accuracy": 0.1}),
+        *(MetricRow("train", {"step": s, "reward_mean": s / 10}) for s in (1, 2, 3, 4)),  # died after step 4
+        MetricRow("checkpoint", {"step": 2, RESUME_KEY: 2}),
+        MetricRow("train", {"step": 3, "reward_mean": 0.33}),
+        MetricRow("train", {"step": 4, "reward_mean": 0.44}),
+        MetricRow("train", {"step": 5, "reward_mean": 0.55}),
+        MetricRow("eval", {"step": 5, "eval/accuracy": 0.5}),
     ]
     kept, dropped = rewind_history(rows)
-    train = [(r["step"], r["reward_mean"]) for r in kept if "reward_mean" in r]
+    train = [(r.step, r.values["reward_mean"]) for r in kept if r.kind == "train"]
     assert train == [(1, 0.1), (2, 0.2), (3, 0.33), (4, 0.44), (5, 0.55)]
     assert dropped == 2
-    assert [r["step"] for r in kept if "eval/accuracy" in r] == [0, 5]
-    assert any(RESUME_KEY in r for r in kept)
+    assert [r.step for r in kept if r.kind == "eval"] == [0, 5]
+    assert any(r.kind == "checkpoint" for r in kept)
 
 
 def test_exclude_ids_drops_consumed_rows_and_keeps_order():
@@ -92,11 +92,11 @@ def test_resume_on_another_tensor_parallel_size_says_both_sizes(tmp_path):
 def test_idle_rows_that_trail_their_step_are_not_redone_steps():
     """The driver writes a step's idle row once the next step's spans arrive: after that step's training row."""
     rows = [
-        {"step": 1, "reward_mean": 0.1},
-        {"step": 2, "reward_mean": 0.2},
-        {"step": 1, "idle/mean": 0.3, "idle/max": 0.4},
-        {"step": 3, "reward_mean": 0.3},
-        {"step": 2, "idle/mean": 0.3, "idle/max": 0.4},
+        MetricRow("train", {"step": 1, "reward_mean": 0.1}),
+        MetricRow("train", {"step": 2, "reward_mean": 0.2}),
+        MetricRow("idle", {"step": 1, "idle/mean": 0.3, "idle/max": 0.4}),
+        MetricRow("train", {"step": 3, "reward_mean": 0.3}),
+        MetricRow("idle", {"step": 2, "idle/mean": 0.3, "idle/max": 0.4}),
     ]
     kept, dropped = rewind_history(rows)
     assert dropped == 0 and kept == rows

@@ -4,6 +4,7 @@ import pickle
 
 import pytest
 
+from yatt_ray.metrics.history import MetricRow
 from yatt_ray.metrics.hub import MetricsHub
 from yatt_ray.metrics.timeline import Span, from_wire, to_wire
 
@@ -12,12 +13,14 @@ def _spans(n, worker="rank0"):
     return [Span("trainer", worker, "node-abc/gpu:0", "train", i, float(i), i + 0.5, True) for i in range(n)]
 
 
-def test_rows_unchanged():
+def test_rows_keep_their_kind_and_refuse_what_is_not_a_number():
     hub = MetricsHub()
-    hub.push({"step": 1, "reward_mean": 0.5})
+    hub.push(MetricRow("train", {"step": 1, "reward_mean": 0.5}))
     with pytest.raises(TypeError, match="'text'"):
-        hub.push({"step": 2, "text": "hello"})
-    assert hub.rows_since(0) == [{"step": 1.0, "reward_mean": 0.5}]
+        hub.push(MetricRow("train", {"step": 2, "text": "hello"}))
+    with pytest.raises(ValueError, match="kind 'sample' is unknown"):
+        hub.push(MetricRow("sample", {"step": 2}))  # type: ignore[arg-type]
+    assert hub.rows_since(0) == [MetricRow("train", {"step": 1.0, "reward_mean": 0.5})]
 
 
 def test_spans_append_and_read_from_an_index():

@@ -6,9 +6,15 @@ import json
 import pytest
 
 from yatt_ray.config import Config
+from yatt_ray.metrics.history import MetricRow
 from yatt_ray.metrics.sinks import read_jsonl
 from yatt_ray.metrics.timeline import Span, to_wire
 from yatt_ray.progress import DriverProgress, idle_report_line, idle_stats
+
+
+def T(values: dict) -> MetricRow:
+    """A training step's row."""
+    return MetricRow("train", values)
 
 
 def _config() -> Config:
@@ -34,10 +40,10 @@ def _genrm(step, t0):
 
 def test_idle_rows_once_a_step_is_settled_and_the_rest_at_close(tmp_path, capsys):
     progress = DriverProgress(None, _config(), tmp_path)
-    progress.receive([{"step": 1.0, "reward_mean": 0.1, "accuracy": 0.0}], to_wire(_step_spans(1, 100.0)))
+    progress.receive([T({"step": 1.0, "reward_mean": 0.1, "accuracy": 0.0})], to_wire(_step_spans(1, 100.0)))
     assert not any("idle/mean" in r for r in progress.history)  # step 1 may still grow
     progress.receive(
-        [{"step": 2.0, "reward_mean": 0.2, "accuracy": 0.5}],
+        [T({"step": 2.0, "reward_mean": 0.2, "accuracy": 0.5})],
         to_wire(_genrm(2, 110.0) + _step_spans(2, 110.0)),
     )
     # step 1 is settled now; gpu1 (known by now) did nothing in step 1's window: idle 1.0 there
@@ -71,7 +77,7 @@ def test_idle_rows_once_a_step_is_settled_and_the_rest_at_close(tmp_path, capsys
 
 def test_without_spans_nothing_of_the_timeline_is_written(tmp_path, capsys):
     progress = DriverProgress(None, _config(), tmp_path)
-    progress.receive([{"step": 1.0, "reward_mean": 0.1, "accuracy": 0.0}])
+    progress.receive([T({"step": 1.0, "reward_mean": 0.1, "accuracy": 0.0})])
     progress.close()
     assert not any((tmp_path / name).exists() for name in ("timeline.json", "timeline.png", "idle.jsonl"))
     assert len(progress.history) == 1 and "idle" not in capsys.readouterr().out
@@ -87,7 +93,7 @@ def test_poll_counts_hub_rows_not_history_rows(tmp_path, monkeypatch):
 
     class StandInHub:
         def __init__(self):
-            self.rows = [{"step": 1.0, "reward_mean": 0.1, "accuracy": 0.0}]
+            self.rows = [T({"step": 1.0, "reward_mean": 0.1, "accuracy": 0.0})]
             self.spans = to_wire(_step_spans(1, 100.0) + _step_spans(2, 110.0))
             self.asked = []
             self.rows_since = Method(lambda i: self.asked.append(i) or self.rows[i:])
@@ -98,7 +104,7 @@ def test_poll_counts_hub_rows_not_history_rows(tmp_path, monkeypatch):
     progress = DriverProgress(hub, _config(), tmp_path)
     progress.poll()
     assert len(progress.history) == 2  # the row and step 1's idle row
-    hub.rows.append({"step": 2.0, "reward_mean": 0.2, "accuracy": 0.5})
+    hub.rows.append(T({"step": 2.0, "reward_mean": 0.2, "accuracy": 0.5}))
     progress.poll()
     assert hub.asked == [0, 1]
     assert [r["step"] for r in progress.history if "reward_mean" in r] == [1.0, 2.0]
@@ -115,9 +121,9 @@ def test_redone_steps_keep_one_curve_in_the_history_and_in_metrics_jsonl(tmp_pat
     """A restart from the step-2 checkpoint redoes steps 3-4: the file is written as one curve while the run
     goes (no rewrite afterwards), and the count of redone steps is kept."""
     progress = DriverProgress(None, _config(), tmp_path)
-    first = [{"step": float(s), "reward_mean": 0.1 * s, "accuracy": 0.0} for s in (1, 2, 3, 4)]
-    progress.receive(first + [{"step": 2.0, "checkpoint/resumed_from": 2.0}])
-    redone = [{"step": float(s), "reward_mean": 1.0 + s, "accuracy": 1.0} for s in (3, 4, 5)]
+    first = [T({"step": float(s), "reward_mean": 0.1 * s, "accuracy": 0.0}) for s in (1, 2, 3, 4)]
+    progress.receive(first + [MetricRow("checkpoint", {"step": 2.0, "checkpoint/resumed_from": 2.0})])
+    redone = [T({"step": float(s), "reward_mean": 1.0 + s, "accuracy": 1.0}) for s in (3, 4, 5)]
     progress.receive(redone)
     rows = read_jsonl(tmp_path / "metrics.jsonl")  # before close: already one curve
     train = [r for r in rows if "reward_mean" in r]

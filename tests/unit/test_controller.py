@@ -11,6 +11,7 @@ import torch
 from yatt_ray.config import load_config
 from yatt_ray.controller import GroupController
 from yatt_ray.data.feed import PromptFeed
+from yatt_ray.metrics.history import MetricRow
 from yatt_ray.metrics.timeline import from_wire
 from yatt_ray.models.tiny import build_tokenizer
 from yatt_ray.reward.rules import exact_match
@@ -80,8 +81,8 @@ class FakeLink:
     def __init__(self) -> None:
         self.rows, self.spans = [], []
 
-    def push(self, row) -> None:
-        self.rows.append(row)
+    def push(self, kind, values) -> None:
+        self.rows.append(MetricRow(kind, values))
 
     def push_spans(self, spans) -> None:
         self.spans.extend(from_wire(spans))

@@ -34,7 +34,7 @@ from yatt_ray.checkpoint.schedule import CheckpointSchedule
 from yatt_ray.checkpoint.state import load_trainer_state, rng_state, set_rng_state, trainer_state
 from yatt_ray.checkpoint.store import CheckpointError, CheckpointRef, CheckpointStore, step_dir_name
 from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
-from yatt_ray.metrics.history import RESUME_KEY, rewind_history, row_kind
+from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
 
 log = logging.getLogger("yatt_ray.checkpoint")
 
@@ -71,7 +71,7 @@ class Resumed:
     epoch: int
     consumed: list
     kl_coef: float
-    history: list[dict[str, float]] = field(default_factory=list)
+    history: list[MetricRow] = field(default_factory=list)
     source: str = ""
 
 
@@ -164,7 +164,7 @@ class TrainingCheckpoints:
         if self.layout.rank < meta["world_size"]:
             set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
         return Resumed(
-            step, int(run["epoch"]), list(run["consumed"]), float(run["kl"]), list(run["history"]), root
+            step, int(run["epoch"]), list(run["consumed"]), float(run["kl"]), _rows(run["history"]), root
         )
 
     def _drop_newer(self, step: int) -> None:
@@ -194,8 +194,8 @@ class TrainingCheckpoints:
         the resumed run's curve starts at step 1."""
         if not self.hub.rows_since(0):
             for row in resumed.history:
-                self.hub.push(row)
-        self.hub.push({"step": resumed.step, RESUME_KEY: resumed.step})
+                self.hub.push(row.kind, row.values)
+        self.hub.push("checkpoint", {"step": resumed.step, RESUME_KEY: resumed.step})
 
     # ---- after each step (collective) ----------------------------------------------------------------------
     def after_step(self, step: int, state: TrainState) -> bool:
@@ -228,7 +228,7 @@ class TrainingCheckpoints:
                 "checkpoint/failures": self.failures_all,
                 "checkpoint/committed": self.agreed,
             }
-            self.hub.push(row)
+            self.hub.push("checkpoint", row)
 
     def metrics(self) -> dict[str, float]:
         """For the step's row: failed saves so far (all ranks) and the previous step's checkpoint overhead."""
@@ -353,9 +353,10 @@ class TrainingCheckpoints:
             }
         return payload
 
-    def _history(self) -> list[dict[str, float]]:
+    def _history(self) -> list[dict[str, Any]]:
+        """The run's curve so far (checkpoint events left out), as JSON for run.json."""
         rows = self.hub.rows_since(0)
-        return [r for r in rewind_history(rows)[0] if row_kind(r) != "checkpoint"]
+        return [r.to_json() for r in rewind_history(rows)[0] if r.kind != "checkpoint"]
 
     # ---- Hugging Face export (collective over the TP group) ---------------------------------------------------
     def _export_due(self, step: int) -> bool:
@@ -411,6 +412,16 @@ class TrainingCheckpoints:
             log.error(
                 "could not write the prompt-id log (%d records kept for later): %r", len(self.unlogged), exc
             )
+
+
+def _rows(history: list) -> list[MetricRow]:
+    """run.json's history as rows; a row saved without its kind (before kinds were recorded) is refused."""
+    try:
+        return [MetricRow.from_json(r) for r in history]
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"run.json's metrics history is not in this version's format ({exc!r})"
+        ) from exc
 
 
 def choose_resume(cfg) -> tuple[str, int, dict] | None:

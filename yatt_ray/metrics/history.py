@@ -7,43 +7,58 @@ step s arrives, the earlier training rows for steps >= s are dropped (the same f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Literal
+
 RESUME_KEY = "checkpoint/resumed_from"
 
+RowKind = Literal["train", "eval", "idle", "checkpoint"]
+ROW_KINDS: tuple[str, ...] = ("train", "eval", "idle", "checkpoint")
 
-def row_kind(row: dict[str, float]) -> str:
-    """The row's kind: "checkpoint" (only checkpoint/* values, e.g. a resume marker), "idle" (the driver's
-    idle-time row of a step, which arrives after the next step's training row), "eval" or "train"."""
-    if all(k == "step" or k.startswith("checkpoint/") for k in row):
-        return "checkpoint"
-    if all(k == "step" or k.startswith("idle/") for k in row):
-        return "idle"
-    return "eval" if any(k.startswith("eval/") for k in row) else "train"
+
+@dataclass(frozen=True)
+class MetricRow:
+    """One row of scalars and what it is, said by whoever pushes it: a training step ("train"), an evaluation
+    ("eval"), the driver's idle-time row of a step ("idle", which arrives after the next step's training row),
+    or a checkpoint event ("checkpoint": a resume marker, the last saves' outcome). `values` holds "step"."""
+
+    kind: RowKind
+    values: dict[str, float]
+
+    @property
+    def step(self) -> float:
+        return self.values.get("step", 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "values": self.values}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MetricRow:
+        return cls(data["kind"], dict(data["values"]))
 
 
 class OneCurve:
     """The run's metric rows as one curve, kept as they arrive: a row of kind k for step s drops the earlier
-    rows of kind k for steps >= s (the steps a restart redid). `redone` counts the dropped training rows."""
+    rows of kind k for steps >= s (the steps a restart redid; checkpoint rows are events and stay).
+    `redone` counts the dropped training rows."""
 
     def __init__(self) -> None:
-        self.rows: list[dict[str, float]] = []
+        self.rows: list[MetricRow] = []
         self.redone = 0
 
-    def add(self, row: dict[str, float]) -> bool:
+    def add(self, row: MetricRow) -> bool:
         """Append `row`; True when it replaced earlier rows (the curve went back)."""
-        kind, step = row_kind(row), row.get("step", 0)
-        stale = (
-            []
-            if kind == "checkpoint"
-            else [r for r in self.rows if row_kind(r) == kind and r.get("step", 0) >= step]
-        )
+        stale: list[MetricRow] = []
+        if row.kind != "checkpoint":
+            stale = [r for r in self.rows if r.kind == row.kind and r.step >= row.step]
         if stale:
-            self.redone += sum(1 for r in stale if kind == "train")
+            self.redone += sum(1 for r in stale if row.kind == "train")
             self.rows = [r for r in self.rows if not any(r is x for x in stale)]
         self.rows.append(row)
         return bool(stale)
 
 
-def rewind_history(rows: list[dict[str, float]]) -> tuple[list[dict[str, float]], int]:
+def rewind_history(rows: list[MetricRow]) -> tuple[list[MetricRow], int]:
     """(rows with redone steps replaced by their last version, how many training rows were dropped)."""
     curve = OneCurve()
     for row in rows:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from yatt_ray.metrics.history import ROW_KINDS, MetricRow, RowKind
 from yatt_ray.metrics.timeline import WireSpan, from_wire, to_wire
 
 
@@ -40,13 +41,16 @@ class MetricsHub:
     `spans_since(i)` spans i, i+1, ... (as wire tuples)."""
 
     def __init__(self) -> None:
-        self._rows: list[dict[str, float]] = []
+        self._rows: list[MetricRow] = []
         self._spans: list[WireSpan] = []
 
-    def push(self, row: dict) -> None:
-        self._rows.append(check_scalars(row))
+    def push(self, row: MetricRow) -> None:
+        """Append a row; a kind it does not know, or a value that is not a number, is refused."""
+        if row.kind not in ROW_KINDS:
+            raise ValueError(f"metric row kind {row.kind!r} is unknown; valid: {', '.join(ROW_KINDS)}")
+        self._rows.append(MetricRow(row.kind, check_scalars(row.values)))
 
-    def rows_since(self, index: int) -> list[dict[str, float]]:
+    def rows_since(self, index: int) -> list[MetricRow]:
         return self._rows[index:]
 
     def push_spans(self, spans: Iterable[Sequence[Any]]) -> None:
@@ -68,17 +72,17 @@ class HubLink:
     def __init__(self, hub, timeout_s: float) -> None:
         self.hub, self.timeout_s = hub, timeout_s
 
-    def push(self, row: dict) -> None:
+    def push(self, kind: RowKind, values: dict) -> None:
         import ray
 
-        ray.get(self.hub.push.remote(row), timeout=self.timeout_s)
+        ray.get(self.hub.push.remote(MetricRow(kind, values)), timeout=self.timeout_s)
 
     def push_spans(self, spans: list[WireSpan]) -> None:
         import ray
 
         ray.get(self.hub.push_spans.remote(spans), timeout=self.timeout_s)
 
-    def rows_since(self, index: int) -> list[dict[str, float]]:
+    def rows_since(self, index: int) -> list[MetricRow]:
         import ray
 
         return ray.get(self.hub.rows_since.remote(index), timeout=self.timeout_s)
