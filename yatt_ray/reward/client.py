@@ -2,9 +2,11 @@
 
 `submit` sends one request per sample through a Serve handle and returns at once (in partial coexistence it
 is called as each prompt's samples finish generating, so judging overlaps generation). `collect` waits for
-the verdicts. A request whose replica dies or that outlives `reward.genrm.timeout_s` is cancelled and sent
-again, up to `max_retries` times; verdicts are kept by the sample's key, and only the live attempt of a key
-is ever read, so a retried sample is scored once. Past the retries, `GenRMError` names the samples lost.
+the verdicts. A request whose replica dies (or whose batch fails) is cancelled and sent again; one that
+outlives `reward.genrm.timeout_s` is waited for again where it is (a resend would queue behind every sample
+sent since); each counts as a retry, up to `max_retries`. Verdicts are kept by the sample's key, and only the
+live attempt of a key is ever read, so a retried sample is scored once. Past the retries, `GenRMError` names
+the samples lost.
 """
 
 from __future__ import annotations
@@ -72,9 +74,17 @@ class GenRMClient:
                 f"{lost} sample(s) of this step unscored. Check the GenRM replicas' logs, raise "
                 "reward.genrm.timeout_s / max_retries, or add replicas"
             ) from exc
+        self.retries += 1
+        if isinstance(exc, TimeoutError):
+            # Still queued or being judged: wait once more on the same request. A resend would join the back of
+            # the replicas' queues behind every sample submitted since, and under load time out again.
+            log.warning(
+                "GenRM request %s is slow (no verdict within %gs); waiting again", key, self.timeout_s
+            )
+            self.pending[key] = _Pending(item.request, item.response, item.attempts + 1)
+            return
         item.response.cancel()
         log.warning("GenRM request %s failed (%s: %s); retrying", key, type(exc).__name__, exc)
-        self.retries += 1
         self.pending[key] = _Pending(item.request, self.handle.judge.remote(item.request), item.attempts + 1)
 
 
