@@ -45,7 +45,16 @@ def main(overrides: list[str]) -> None:
         value = med.get(f"time/{phase}", 0.0)
         print(f"  {phase:<22} {value:8.3f} s  {100 * value / step:5.1f}%")
     print(f"  orchestration overhead {overhead:8.3f} s  {100 * overhead / step:5.1f}%  (target < 10%)")
-    print(f"  tokens/s (median)      {statistics.median(r['tokens_per_s'] for r in rows):8.1f}")
+    for key, label in (
+        ("response_tokens_per_s", "response tokens/s"),
+        ("total_tokens_per_s", "total tokens/s"),
+    ):
+        print(f"  {label + ' (median)':<22} {statistics.median(r[key] for r in rows):8.1f}")
+    for key in ("perf/mfu_rollout", "perf/mfu_train"):
+        if key in rows[0]:
+            print(
+                f"  {key.split('/')[1] + ' (median)':<22} {100 * statistics.median(r[key] for r in rows):8.1f}%"
+            )
     print(f"  whole run incl. start  {total:8.1f} s for {config.train.steps} steps")
 
 

@@ -467,7 +467,7 @@ def costs_from_metrics(path: str, devices: int, base: Costs) -> tuple[Costs, flo
     """Best-effort per-phase costs from a yatt_ray metrics.jsonl (means over the steps that report timings).
 
     With S samples per step (`samples`, else base.prompts x samples_per_prompt), R mean response tokens
-    (`response_length`), T tokens per step (`tokens_per_s` x `time/step`, else S x (prompt_len + R)) and D the
+    (`response_length`), T tokens per step (`total_tokens_per_s` x `time/step`, else S x (prompt_len + R)) and D the
     run's device count:
         decode_tps          = S R / (time/rollout D)   (effective, tail included: a lower bound on the peak)
         logprob_s_per_token = time/logprobs D / T,  train_s_per_token = time/train D / T
@@ -488,7 +488,7 @@ def costs_from_metrics(path: str, devices: int, base: Costs) -> tuple[Costs, flo
 
     samples = mean("samples", float(base.prompts * base.samples_per_prompt))
     resp = max(mean("response_length", base.response_mean), 1.0)
-    tps = mean("tokens_per_s")
+    tps = mean("total_tokens_per_s", mean("tokens_per_s"))  # the name before it said what it counts
     tokens = tps * mean("time/step") if tps else samples * (base.prompt_len + resp)
     tokens = max(tokens, samples * resp)
     decode_tps = samples * resp / max(mean("time/rollout") * devices, 1e-9)

@@ -22,11 +22,21 @@ def main(default_config: str | Path, description: str | None = None, argv: list[
     parser.add_argument("--config", default=str(default_config), help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        result = fit(load_config(args.config, args.overrides))
+        config = load_config(args.config, args.overrides)
+        configure_logging(config.output.verbose)
+        result = fit(config)
     except YattError as exc:
         print(f"error: {exc}", flush=True)
         raise SystemExit(2) from None
     print(f"final checkpoint (Hugging Face format): {result.checkpoint_path}", flush=True)
     return result
+
+
+def configure_logging(verbose: bool) -> None:
+    """The command line's log lines: the library's own INFO lines (the demo build, the data checks) and every
+    library's warnings; with `output.verbose=true` every library's INFO lines too."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
+    )
+    logging.getLogger("yatt_ray").setLevel(logging.INFO)

@@ -21,22 +21,32 @@ LOOPBACK = "127.0.0.1"
 
 
 def connect(config: Config) -> None:
-    """Join `cluster.address` (or RAY_ADDRESS, as under `ray job submit`), else start a local cluster.
+    """Join `cluster.address` (or RAY_ADDRESS, as under `ray job submit`), else start a local cluster; then
+    resolve `cluster.cpus_per_worker` when it is None (`resolve_cpus_per_worker`).
 
     A local one even when a `ray start` cluster runs on this machine (join that one with
-    `cluster.address=auto`)."""
+    `cluster.address=auto`). With `output.verbose=false` the job's processes get the quiet-console settings
+    (`yatt_ray.console.job_env_vars`; a variable already set in this environment wins)."""
     import ray
 
+    from yatt_ray.console import job_env_vars, ray_init_options
+
     if ray.is_initialized():
+        resolve_cpus_per_worker(config, local=False)
         return
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    verbose, address = config.output.verbose, config.cluster.address or os.environ.get("RAY_ADDRESS")
+    quiet = job_env_vars(verbose, local=not address)
+    options: dict = {"runtime_env": {"env_vars": quiet}} if quiet else {}
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, **options, **ray_init_options(verbose, local=False))
+        resolve_cpus_per_worker(config, local=False)
         return
-    # A local cluster: declare enough logical CPUs for the workers plus data tasks, even on a 2-core laptop,
-    # but no more than 4 per core, so an oversized plan fails the placement check instead of thrashing.
-    cores = os.cpu_count() or 1
-    needed = config.train.dp_size * config.train.tp_size * config.cluster.cpus_per_worker + 2
+    resolve_cpus_per_worker(config, local=True)
+    # A local cluster: declare enough logical CPUs for the workers, GenRM replicas and data tasks, even on a
+    # 2-core laptop, but no more than 4 per core, so an oversized plan fails the placement check instead of
+    # thrashing.
+    cores = local_cores()
+    needed = _logical_cpus_needed(config)
     # Every process of the local cluster on 127.0.0.1 (the dashboard too: Ray Train's placement-group
     # cleaner queries it, so it stays on).
     with _node_ip_stays_loopback():
@@ -45,7 +55,75 @@ def connect(config: Config) -> None:
             num_cpus=max(cores, min(needed, 4 * cores)),
             _node_ip_address=LOOPBACK,
             dashboard_host=LOOPBACK,
+            **options,
+            **ray_init_options(verbose, local=True),
         )
+
+
+def local_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def resolve_cpus_per_worker(config: Config, local: bool) -> None:
+    """Set `cluster.cpus_per_worker` when it is None: the CPUs of a training worker's node shared among the
+    training workers placed there, at least 1 (`shared_cpus`). That value is the Ray resource each worker
+    claims, the torch (and vLLM) thread count it runs with (roles.build_roles) and what the plan prints.
+
+    - a local cluster (started here): floor(cores / workers) with cores = `local_cores()`; the cluster then
+      declares logical CPUs for the workers, GenRM replicas and data tasks on top (`connect`);
+    - a running cluster: the node with the most CPUs (among GPU nodes when the run uses GPUs) holds
+      `workers_on_node` workers: min(workers, its GPUs) with GPUs, else all of them (PACK) or an even share
+      over the nodes (SPREAD). Each gets floor((node CPUs - the data tasks' CPU) / (those workers + the GenRM
+      replicas)), and no more than the cores of this machine allow when the node is this machine (a test
+      cluster may declare more logical CPUs than cores).
+    """
+    c = config.cluster
+    if c.cpus_per_worker is not None:
+        return
+    workers = config.train.dp_size * config.train.tp_size
+    if local:
+        c.cpus_per_worker = shared_cpus(local_cores(), workers)
+        return
+    import ray
+
+    from yatt_ray.placement import DATA_CPUS, genrm_replica_count
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+    use_gpu = c.use_gpu if c.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
+    candidates = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1] if use_gpu else nodes
+    if not candidates:  # the placement check names what is missing
+        c.cpus_per_worker = 1
+        return
+    node = max(candidates, key=lambda n: n["Resources"]["CPU"])
+    if use_gpu:
+        on_node = min(workers, int(node["Resources"]["GPU"]))
+    else:
+        on_node = workers if c.placement_strategy == "PACK" else -(-workers // len(candidates))
+    with_genrm = config.reward.mode != "rule"
+    genrm = genrm_replica_count(config, use_gpu) if with_genrm else 0
+    share = shared_cpus(node["Resources"]["CPU"] - DATA_CPUS, on_node + genrm)
+    if node.get("NodeManagerAddress") == ray.util.get_node_ip_address():
+        share = min(share, shared_cpus(local_cores(), on_node))
+    c.cpus_per_worker = share
+
+
+def shared_cpus(cpus: float, workers: int) -> int:
+    """floor(cpus / workers), at least 1."""
+    return max(1, int(cpus // max(workers, 1)))
+
+
+def _logical_cpus_needed(config: Config) -> int:
+    """Logical CPUs a local cluster declares: cpus_per_worker for each training worker and GenRM replica, plus
+    the data tasks' share (the placement plan's count, `placement.PlacementPlan.cpus_needed`), and one spare."""
+    from yatt_ray.placement import DATA_CPUS, genrm_replica_count
+
+    cpus = config.cluster.cpus_per_worker or 1
+    genrm = genrm_replica_count(config, bool(config.cluster.use_gpu)) if config.reward.mode != "rule" else 0
+    return (config.train.dp_size * config.train.tp_size + genrm) * cpus + DATA_CPUS + 1
 
 
 @contextlib.contextmanager

@@ -78,6 +78,9 @@ class RolloutConfig(_Section):
     top_p: float = 1.0
     weight_sync_bucket_mb: int = 64
     kv_cache_gb: float = 1.0
+    # fixed-length generation for throughput runs: no stop at EOS (or any stop token), every completion runs
+    # to max_new_tokens (finish_reason "length"); the tokens after an EOS are scored and trained on as they are
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -202,12 +205,17 @@ class ClusterConfig(_Section):
     """Where to run. `address` None starts (or joins, under `ray job submit`) a cluster; `use_gpu` None = auto."""
 
     address: str | None = None
-    cpus_per_worker: int = 1
+    # CPUs (Ray resource and torch / vLLM threads) of each training worker; None = the CPUs of its node shared
+    # among the training workers there (`yatt_ray.cluster.resolve_cpus_per_worker`; the plan prints the value)
+    cpus_per_worker: int | None = None
     use_gpu: bool | None = None
     timeout_s: float = 600.0
     # how Ray Train places the training workers over the nodes: PACK (as few nodes as possible) or SPREAD (as
     # many as possible); checked in placement.plan_placement
     placement_strategy: PlacementStrategy = "PACK"
+    # peak FLOP/s of one accelerator for the MFU metrics (perf/mfu_*); None = the table in
+    # yatt_ray/metrics/flops.py for GPUs, a measured fp32 matmul rate on CPUs
+    peak_flops: float | None = None
 
 
 @dataclass
@@ -232,6 +240,9 @@ class OutputConfig(_Section):
     wandb_project: str = "yatt_ray"
     wandb_entity: str = ""  # "" = the logged-in user's default entity
     wandb_mode: WandbMode = ""  # "": W&B's own default ($WANDB_MODE, else online)
+    # false: the console shows the plan, the progress bar, the final report, warnings and errors (Ray's, Ray
+    # Data's, Megatron's and vLLM's start-up notes are off: yatt_ray/console.py); true: everything
+    verbose: bool = False
 
 
 @dataclass
@@ -242,8 +253,12 @@ class CheckpointConfig(_Section):
     `every_steps` steps or every `every_minutes` minutes (null turns a rule off), on SIGTERM to the driver or a
     Ray Train preemption notice (`on_sigterm`, `on_preemption`), and after the last step (`at_end`). `resume`:
     "auto" (the newest valid checkpoint in `dir`, if any), "never", or a checkpoint folder / URL to start from.
+    `enable: false` turns checkpoints off entirely: no test write to `dir`, no saves (not on SIGTERM either: the
+    run still stops cleanly), no resume lookup, and a worker failure restarts the run from step 1. The final
+    policy (`Result.checkpoint_path`) is still written.
     """
 
+    enable: bool = True
     dir: str = ""
     every_steps: int | None = 50
     every_minutes: float | None = 30.0
@@ -551,8 +566,12 @@ def _placement_errors(p: PlacementConfig) -> list[str]:
 
 def _cluster_errors(c: ClusterConfig) -> list[str]:
     return _failed([
-        (c.cpus_per_worker >= 1, f"cluster.cpus_per_worker={c.cpus_per_worker} must be >= 1"),
+        (c.cpus_per_worker is None or c.cpus_per_worker >= 1,
+         f"cluster.cpus_per_worker={c.cpus_per_worker} must be >= 1 (or null: the node's CPUs shared among its "
+         "workers)"),
         (c.timeout_s > 0, f"cluster.timeout_s={c.timeout_s} must be > 0"),
+        (c.peak_flops is None or c.peak_flops > 0,
+         f"cluster.peak_flops={c.peak_flops} must be > 0 (FLOP/s of one accelerator, e.g. 312e12) or null"),
     ])  # fmt: skip
 
 
@@ -569,6 +588,22 @@ def _checkpoint_errors(c: CheckpointConfig) -> list[str]:
          f"checkpoint.export_hf_every={c.export_hf_every} must be >= 1 (or null)"),
         (c.max_failures >= -1, f"checkpoint.max_failures={c.max_failures} must be >= 0 (or -1: retry without limit)"),
         (bool(c.resume), "checkpoint.resume is empty; use auto, never, or a checkpoint folder / URL"),
+    ]) + ([] if c.enable else _disabled_checkpoint_errors(c))  # fmt: skip
+
+
+def _disabled_checkpoint_errors(c: CheckpointConfig) -> list[str]:
+    """With `checkpoint.enable=false` nothing is written under `checkpoint.dir` and nothing is read from it: the
+    keys that would do either are contradictions, named with the fix."""
+    return _failed([
+        (c.resume in ("auto", "never"),
+         f"checkpoint.resume={c.resume!r} starts from a checkpoint, but checkpoint.enable=false turns checkpoints "
+         "off; set checkpoint.enable=true (or checkpoint.resume=auto)"),
+        (c.export_hf_every is None and not c.export_hf_steps,
+         "checkpoint.export_hf_every / export_hf_steps write Hugging Face exports under checkpoint.dir, but "
+         "checkpoint.enable=false; unset them or set checkpoint.enable=true"),
+        (not c.log_prompt_ids,
+         "checkpoint.log_prompt_ids writes under checkpoint.dir, but checkpoint.enable=false; unset it or set "
+         "checkpoint.enable=true"),
     ])  # fmt: skip
 
 

@@ -40,7 +40,7 @@ from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
 from yatt_ray.roles import Layout, Roles, build_roles
 from yatt_ray.rollout.base import SamplingSpec
-from yatt_ray.step import compute_advantages, policy_loss_fn, reduce_metrics, value_loss_fn
+from yatt_ray.step import compute_advantages, is_on_policy, policy_loss_fn, reduce_metrics, value_loss_fn
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class GroupController:
         self.needs_greedy = ADVANTAGE_ESTIMATORS.get(a.estimator).needs_greedy_baseline
         offload = t.offload_during_rollout
         self.offload = torch.cuda.is_available() if offload is None else offload
-        self.batching: dict = {"micro_batch_size": t.micro_batch_size}  # how trainer passes split a batch
+        # how trainer passes split a batch; a prompt's samples are packed together (shared prompt)
+        self.batching: dict = {"micro_batch_size": t.micro_batch_size, "group_size": config.rollout.n}
         if t.max_tokens_per_micro_batch:
             self.batching["max_tokens_per_micro_batch"] = t.max_tokens_per_micro_batch
         worker = f"rank{layout.rank}"
@@ -234,6 +235,7 @@ class GroupController:
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             stop_token_ids=self.stop_ids,
+            ignore_eos=cfg.rollout.ignore_eos,
         )
 
         def samples_of(i: int, group: list, tag: str = "") -> list[Sample]:
@@ -281,15 +283,19 @@ class GroupController:
         return batch
 
     def _old_log_probs_and_values(self, batch: RolloutBatch) -> None:
-        """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens."""
+        """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens.
+        On-policy (`step.is_on_policy`) old_logp and the IS weights come out of the training forward."""
         cfg, batching = self.config, self.batching
         ids, mask = batch.input_ids, batch.attention_mask
-        batch.old_logp = batch.response(self.policy.log_probs(ids, mask, **batching)[0])
+        if is_on_policy(cfg.algo, self.kl_ctl.value):
+            batch.old_logp = None
+        else:
+            batch.old_logp = batch.response(self.policy.log_probs(ids, mask, **batching)[0])
         if cfg.algo.kl_coef > 0:
             batch.ref_logp = batch.response(self.policy.log_probs(ids, mask, reference=True, **batching)[0])
         if self.critic is not None:
             batch.values = batch.response(self.critic.values(ids, mask, **batching))
-        if cfg.algo.tis_cap is not None:
+        if cfg.algo.tis_cap is not None and batch.old_logp is not None:
             batch.tis_weights = tis_weights(batch.old_logp, batch.rollout_logp, cfg.algo.tis_cap)
 
     def _update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
@@ -306,15 +312,20 @@ class GroupController:
         if not self._policy_moves(step):
             return stats
         steps: list[dict[str, float]] = []
+        record = None
+        if batch.old_logp is None:  # on-policy: the training forward fills it
+            batch.old_logp = record = torch.zeros_like(batch.rollout_logp)
         for _ in range(cfg.algo.ppo_epochs):
             for chunk in torch.arange(batch.size).chunk(cfg.algo.ppo_mini_batches):
                 mini = batch.rows(chunk)
                 global_tokens = self._dp_sum(mini.response_mask.sum())
                 global_seqs = self._dp_sum(torch.tensor(float(mini.size)))
                 loss_fn = policy_loss_fn(
-                    cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens
-                )
-                steps.append(self.policy.train_step(mini.tensors(), loss_fn, **batching))
+                    cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens,
+                    record_old_logp=record,
+                )  # fmt: skip
+                tensors = {**mini.tensors(), "row": chunk} if record is not None else mini.tensors()
+                steps.append(self.policy.train_step(tensors, loss_fn, **batching))
         stats.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
         return stats
 

@@ -48,6 +48,9 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     The driver resolves a copy of the config once (the demo's inputs, absolute paths, the judge, the checkpoint
     folder, the rollout engine kind), validates it again and freezes it before any worker starts."""
     config = _resolve_config(config, overrides)
+    from yatt_ray.console import quiet_driver
+
+    quiet_driver(config.output.verbose)
     _prepare_inputs(config)
     files = _check_inputs(config)
     output_dir = _output_dir(config)
@@ -210,9 +213,11 @@ def _resolve_engine(config: Config, on_gpu: bool) -> None:
 
 def _check_checkpoints(config: Config, output_dir: Path) -> str:
     """Where checkpoints go, checked before any cluster work: the store takes a write and the checkpoint to
-    resume from verifies (`checkpoint.driver.check_checkpoints`)."""
+    resume from verifies (`checkpoint.driver.check_checkpoints`). Nothing with `checkpoint.enable=false`."""
     from yatt_ray.checkpoint.driver import check_checkpoints, resolve_checkpoint_dir
 
+    if not config.checkpoint.enable:
+        return "checkpoints: off (checkpoint.enable=false): no saves, no resume"
     resolve_checkpoint_dir(config, output_dir)
     return check_checkpoints(config, timeout_s=min(60.0, config.cluster.timeout_s))
 
@@ -277,9 +282,10 @@ def _trainer(
     """The TorchTrainer: one worker per plan slot, the datasets (split by the workers) and the run's actors
     (`hub` for metrics, `control` for stop requests) in the train-loop config."""
     import ray.data
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
 
@@ -304,10 +310,15 @@ def _trainer(
             resources_per_worker=plan.trainer_resources(),
             placement_strategy=config.cluster.placement_strategy,  # PACK or SPREAD over the nodes
         ),
-        run_config=RunConfig(
+        # Ray Train v2's RunConfig at run time (ray.train picks it); mypy sees the v1 class without the last two
+        run_config=RunConfig(  # type: ignore[call-arg]
             name="train",
             storage_path=str(output_dir / "ray"),
             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
+            logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
+            # the quiet-console variables also where the job's runtime env could not carry them (ray.init
+            # called before fit())
+            worker_runtime_env={"env_vars": job_env_vars(config.output.verbose)},
         ),
     )
 

@@ -55,6 +55,8 @@ class PlacementPlan:
     cpus_per_worker: int
     gpus_per_worker: float  # 1, 1 - genrm_share (full coexistence with a GenRM), or 0 (CPU only)
     genrm: GenRMSlice | None = None
+    with_reference: bool = True  # a frozen reference model beside the policy (algo.kl_coef > 0)
+    with_critic: bool = False  # a value model beside the policy (critic.enable)
 
     @property
     def num_workers(self) -> int:
@@ -80,12 +82,17 @@ class PlacementPlan:
         genrm = self.genrm.max_replicas * self.genrm.cpus if self.genrm else 0
         return self.num_workers * self.cpus_per_worker + genrm + DATA_CPUS
 
+    def roles(self) -> str:
+        """What each training worker holds: "policy + reference + critic + optimizer" as built."""
+        held = ["policy"] + ["reference"] * self.with_reference + ["critic"] * self.with_critic
+        return " + ".join([*held, "optimizer"])
+
     def describe(self) -> str:
         device = f"{self.gpus_per_worker:g} GPU" if self.uses_gpus else "CPU only"
         lines = [
             f"placement: {self.mode} coexistence, {self.num_workers} training worker(s) = dp {self.dp_size} x tp "
             f"{self.tp_size}, {self.accelerators_needed()} accelerator(s), {self.cpus_needed()} CPUs",
-            f"  each worker: {self.cpus_per_worker} CPU, {device}; policy + reference + optimizer",
+            f"  each worker: {self.cpus_per_worker} CPU, {device}; {self.roles()}",
             f"  controllers: {self.dp_size} (tp rank 0 of each group), each with a colocated rollout engine",
         ]
         g = self.genrm
@@ -139,7 +146,11 @@ def plan_placement(
     config: Config, cluster: dict[str, float], sizes: ModelSizes | None = None
 ) -> PlacementPlan:
     """The plan for `config` on a cluster with `cluster` total resources, checked (resources, divisibility,
-    and memory when `placement.gpu_memory_gb` and `sizes` are given)."""
+    and memory when `placement.gpu_memory_gb` and `sizes` are given).
+
+    `cluster.cpus_per_worker` is the driver's resolved value (`cluster.resolve_cpus_per_worker`); left None
+    (a plan computed without a connected cluster), it is the cluster's CPUs less the data tasks' share, shared
+    among the training workers and GenRM replicas (`cluster.shared_cpus`)."""
     use_gpu = config.cluster.use_gpu
     if use_gpu is None:
         use_gpu = cluster.get("GPU", 0.0) >= 1
@@ -150,13 +161,23 @@ def plan_placement(
             "GenRM; set reward.mode=genrm (or mix), or use placement.mode=full"
         )
     share = config.placement.genrm_share if (use_gpu and with_genrm and mode == "full") else 0.0
+    cpus = config.cluster.cpus_per_worker
+    if cpus is None:
+        from yatt_ray.cluster import shared_cpus
+
+        replicas = genrm_replica_count(config, use_gpu) if with_genrm else 0
+        cpus = shared_cpus(
+            cluster.get("CPU", 0.0) - DATA_CPUS, config.train.dp_size * config.train.tp_size + replicas
+        )
     plan = PlacementPlan(
         mode=mode,
         dp_size=config.train.dp_size,
         tp_size=config.train.tp_size,
-        cpus_per_worker=config.cluster.cpus_per_worker,
+        cpus_per_worker=cpus,
         gpus_per_worker=(1.0 - share) if use_gpu else 0.0,
-        genrm=_genrm_slice(config, use_gpu) if with_genrm else None,
+        genrm=_genrm_slice(config, use_gpu, cpus) if with_genrm else None,
+        with_reference=config.algo.kl_coef > 0,  # as roles.build_roles builds the policy
+        with_critic=config.critic.enable,
     )
     plan.check(cluster)
     if sizes is not None and config.placement.gpu_memory_gb is not None and use_gpu:
@@ -164,7 +185,16 @@ def plan_placement(
     return plan
 
 
-def _genrm_slice(config: Config, use_gpu: bool) -> GenRMSlice:
+def genrm_replica_count(config: Config, use_gpu: bool) -> int:
+    """The most GenRM replicas the plan holds: one per training accelerator's share in full coexistence on
+    GPUs, else `reward.genrm.max_replicas` (or `replicas`)."""
+    g, workers = config.reward.genrm, config.train.dp_size * config.train.tp_size
+    if config.placement.mode == "full" and use_gpu:
+        return max(workers // g.accelerators_per_replica, 1)
+    return g.max_replicas or g.replicas
+
+
+def _genrm_slice(config: Config, use_gpu: bool, cpus: int) -> GenRMSlice:
     g, workers = config.reward.genrm, config.train.dp_size * config.train.tp_size
     apr = g.accelerators_per_replica
     if config.placement.mode == "full" and use_gpu:
@@ -173,16 +203,16 @@ def _genrm_slice(config: Config, use_gpu: bool) -> GenRMSlice:
                 f"full coexistence puts GenRM replicas on the {workers} training accelerators, which "
                 f"reward.genrm.accelerators_per_replica={apr} does not divide; pick a divisor of {workers}"
             )
-        replicas = max_replicas = workers // apr
+        replicas = max_replicas = genrm_replica_count(config, use_gpu)
     else:
-        replicas, max_replicas = g.replicas, g.max_replicas or g.replicas
+        replicas, max_replicas = g.replicas, genrm_replica_count(config, use_gpu)
     gpus = (config.placement.genrm_share if config.placement.mode == "full" else 1.0) if use_gpu else 0.0
     return GenRMSlice(
         replicas=replicas,
         max_replicas=max_replicas,
         accelerators_per_replica=apr,
         gpus_per_accelerator=gpus,
-        cpus=config.cluster.cpus_per_worker,
+        cpus=cpus,
         release_when_idle=config.placement.mode == "full",
     )
 

@@ -64,9 +64,14 @@ class Roles:
 def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
     """The real roles of this worker (collective: the policy's construction creates Megatron's TP / DP groups
     on Ray Train's process group)."""
+    from yatt_ray.console import quiet_worker
+
+    quiet_worker(config.output.verbose)  # before Megatron and vLLM are imported
     from yatt_ray.train import MegatronCritic, MegatronPolicy, apply_cpu_shims
 
-    torch.set_num_threads(max(1, config.cluster.cpus_per_worker))
+    threads = max(1, config.cluster.cpus_per_worker or 1)  # resolved by the driver; the vLLM engine keeps it
+    torch.set_num_threads(threads)
+    _register_perf_model(config, threads)
     apply_cpu_shims()
     t = config.train
     common: dict[str, Any] = {
@@ -84,6 +89,17 @@ def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
     if layout.is_controller:
         _add_controller_roles(roles, config, layout.dp_rank, loop_config.get("eval_shards"))
     return layout, roles
+
+
+def _register_perf_model(config: Config, threads: int) -> None:
+    """The model FLOPs and accelerator peak this worker's step metrics report MFU against (`perf/*`,
+    `yatt_ray.metrics.flops`); on the CPU the peak is measured here once (~0.3 s of fp32 matmuls). The trainer
+    runs in float32."""
+    from yatt_ray.metrics.flops import register_perf_model, worker_perf_model
+    from yatt_ray.train.hf_convert import LlamaShape
+
+    shape = LlamaShape.from_hf_dir(config.model.path)
+    register_perf_model(worker_perf_model(shape, threads, config.cluster.peak_flops))
 
 
 def _add_controller_roles(roles: Roles, config: Config, dp_rank: int, eval_shards) -> None:

@@ -18,9 +18,11 @@ from yatt_ray.algos import (
     estimate_advantages,
     kl_estimate,
     masked_whiten,
+    tis_weights,
 )
 from yatt_ray.batch import RolloutBatch
 from yatt_ray.config import AlgoConfig
+from yatt_ray.metrics.flops import PerfModel, causal_pairs, registered_perf_model
 
 
 def compute_advantages(
@@ -50,6 +52,13 @@ def compute_advantages(
     batch.returns = returns
 
 
+def is_on_policy(algo: AlgoConfig, kl_coef: float) -> bool:
+    """True when the step makes one optimizer step on the whole batch (one epoch, one mini-batch) and the
+    advantages need no log-probs of the sampling policy (no KL reward penalty). The old log-probs are then the
+    current ones, detached, and come out of the training forward: no separate pass over the batch."""
+    return algo.ppo_epochs == 1 and algo.ppo_mini_batches == 1 and not (algo.kl_in_reward and kl_coef > 0)
+
+
 def policy_loss_fn(
     algo: AlgoConfig,
     prompt_width: int,
@@ -57,6 +66,7 @@ def policy_loss_fn(
     global_seqs: float,
     kl_coef: float,
     norm_len: int,
+    record_old_logp: torch.Tensor | None = None,
 ):
     """The per-micro-batch policy loss for MegatronPolicy.train_step.
 
@@ -66,6 +76,10 @@ def policy_loss_fn(
     `algo.loss_agg` over the *global* token / sequence counts, so micro-batch and data-parallel shares sum to
     the full-batch loss. Logged values are token-mean shares too (they sum to batch means). `norm_len` is the
     constant length of "seq-mean-token-sum-norm" (the configured maximum response length).
+
+    On-policy (`is_on_policy`), pass `record_old_logp` [N, R]: old_logp = logp.detach() (ratio 1, gradient
+    that of the plain policy gradient), the truncated-IS weights are taken against it, and each micro-batch's
+    detached log-probs are written into the buffer at its rows (`mb["row"]`) for the step's metrics.
     """
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
     kl_in_loss = kl_coef > 0 and not algo.kl_in_reward
@@ -75,11 +89,17 @@ def policy_loss_fn(
         """`mb`: a micro-batch of `RolloutBatch.tensors()` (old_logp and advantages set)."""
         lp, ent = logp[:, prompt_width - 1 :], entropy[:, prompt_width - 1 :]
         mask = mb["response_mask"]
+        old, weights = mb.get("old_logp"), mb.get("tis_weights")
+        if record_old_logp is not None:
+            old = lp.detach()
+            record_old_logp[mb["row"].cpu()] = old.cpu()
+            if algo.tis_cap is not None:
+                weights = tis_weights(old, mb["rollout_logp"], algo.tis_cap)
         pg, stats = policy_loss(
-            lp, mb["old_logp"], mb["advantages"], algo.clip_low, algo.clip_high, response_mask=mask, **options
+            lp, old, mb["advantages"], algo.clip_low, algo.clip_high, response_mask=mask, **options
         )
         if algo.tis_cap is not None:
-            pg = pg * mb["tis_weights"]
+            pg = pg * weights
         per_token = pg - algo.entropy_coef * ent
         share = {"pg_loss": pg.detach(), "entropy": ent.detach(), "clipfrac": stats["clipped"]}
         if kl_in_loss:
@@ -118,7 +138,7 @@ def _token_mean_shares(per_token: dict[str, torch.Tensor], mask: torch.Tensor, g
 
 _SUMS = (
     "reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff", "prompts_clipped",
-    "kl", "greedy_reward",
+    "kl", "greedy_reward", "causal_pairs",
 )  # fmt: skip
 
 
@@ -143,6 +163,7 @@ def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
         batch.prompts_clipped,
         kl,
         greedy,
+        causal_pairs(batch.attention_mask.sum(dim=1)),
     ]
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
@@ -154,6 +175,7 @@ def reduce_metrics(
     times: dict[str, float],
     is_controller: bool,
     algo: AlgoConfig,
+    perf: PerfModel | None = None,
 ) -> dict[str, float]:
     """All-reduce the step's statistics over every worker: sums over controllers, max of times.
 
@@ -162,7 +184,9 @@ def reduce_metrics(
     rollout, reward, log-prob and train compute: weight sync, offload and "other").
     Every rank must call it. Non-controller ranks hold copies of their group's batch and add zeros.
     "kl" is the mean per-token KL(pi_old || ref) with `algo.kl_estimator`; "kl_per_sequence" its sum over a
-    response, averaged over samples (what an adaptive KL controller tracks).
+    response, averaged over samples (what an adaptive KL controller tracks). Throughput: `throughput`;
+    `perf/*` (achieved FLOP/s and MFU, `perf_metrics`) from `perf`, else the PerfModel this process
+    registered (`yatt_ray.metrics.flops.register_perf_model`, done by `roles.build_roles`), else none.
     """
     sums = local_sums(batch, algo) if is_controller else torch.zeros(len(_SUMS), dtype=torch.float64)
     dist.all_reduce(sums)
@@ -182,7 +206,7 @@ def reduce_metrics(
         "truncated_fraction": s["truncated"] / samples,
         "prompts_clipped": s["prompts_clipped"],
         "rollout_logp_diff": s["logp_diff"] / tokens,
-        "tokens_per_s": (s["response_tokens"] + s["prompt_tokens"]) / max(step_time, 1e-9),
+        **throughput(s["response_tokens"], s["prompt_tokens"], step_time, dist.get_world_size()),
         "time/step": step_time,
     }
     if batch.ref_logp is not None:
@@ -192,7 +216,63 @@ def reduce_metrics(
     metrics.update({f"time/{k}": v for k, v in maxima.items()})
     metrics.update(train_stats)
     metrics.update(_reduce_counters(batch.counters, is_controller))
+    perf = registered_perf_model() if perf is None else perf
+    if perf is not None:
+        metrics.update(perf_metrics(perf, s, maxima, train_stats, algo, dist.get_world_size()))
     return metrics
+
+
+def throughput(response_tokens: float, prompt_tokens: float, step_s: float, workers: int) -> dict[str, float]:
+    """Tokens per second of step wall time: `response_tokens_per_s` (generated tokens only) and
+    `total_tokens_per_s` (prompt + response tokens), each also per worker (= per accelerator: dp x tp)."""
+    rates = {
+        "response_tokens_per_s": response_tokens / max(step_s, 1e-9),
+        "total_tokens_per_s": (response_tokens + prompt_tokens) / max(step_s, 1e-9),
+    }
+    return {**rates, **{f"{k}_per_worker": v / max(workers, 1) for k, v in rates.items()}}
+
+
+def perf_metrics(
+    perf: PerfModel,
+    sums: dict[str, float],
+    maxima: dict[str, float],
+    train_stats: dict[str, float],
+    algo: AlgoConfig,
+    workers: int,
+) -> dict[str, float]:
+    """Achieved model FLOP/s per accelerator in the rollout and train phases, and MFU against the peak
+    (formulas in `yatt_ray.metrics.flops`). Collective: the peak is averaged over every rank's PerfModel.
+
+    F = forward FLOPs of the step's sequences (all groups, prompt + response tokens): rollout = F; train =
+    3 F x algo.ppo_epochs, or, when the policy's train step reports `forward_tokens` (the tokens it ran through
+    the model per optimizer step, summed over data-parallel ranks, after its shared-prompt packing; the
+    controller averages it over the step's algo.ppo_epochs x algo.ppo_mini_batches optimizer steps),
+    3 F x ran / real tokens with ran = forward_tokens x optimizer steps. Achieved = FLOPs / (phase time x
+    workers), the phase time being the slowest worker's; MFU = achieved / peak. A critic's train step is in
+    `time/train` but not counted.
+    """
+    peaks = torch.tensor([perf.peak_flops or 0.0, float(perf.peak_flops is not None)], dtype=torch.float64)
+    dist.all_reduce(peaks)
+    real_tokens = sums["prompt_tokens"] + sums["response_tokens"]
+    forward = perf.flops.forward(real_tokens, sums["causal_pairs"])
+    per_step = train_stats.get("forward_tokens")
+    if per_step is not None:
+        ran = per_step * algo.ppo_epochs * algo.ppo_mini_batches
+        train = 3.0 * forward * ran / max(real_tokens, 1.0)
+    else:
+        train = 3.0 * forward * algo.ppo_epochs
+    out: dict[str, float] = {}
+    for phase, flops in (("train", train), ("rollout", forward)):
+        seconds = maxima.get(phase, 0.0)
+        if seconds > 0:
+            out[f"perf/{phase}_flops_per_s"] = flops / (seconds * max(workers, 1))
+    if peaks[1] > 0:
+        peak = float(peaks[0] / peaks[1])
+        out["perf/peak_flops"] = peak
+        for phase in ("train", "rollout"):
+            if f"perf/{phase}_flops_per_s" in out:
+                out[f"perf/mfu_{phase}"] = out[f"perf/{phase}_flops_per_s"] / peak
+    return out
 
 
 def _reduce_counters(counters: dict[str, float], is_controller: bool) -> dict[str, float]:

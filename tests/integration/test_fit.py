@@ -19,9 +19,10 @@ from yatt_ray.config import Config
 pytestmark = pytest.mark.cluster
 
 STEP_KEYS = {
-    "reward_mean", "accuracy", "response_length", "kl", "entropy", "pg_loss", "grad_norm", "tokens_per_s",
+    "reward_mean", "accuracy", "response_length", "kl", "entropy", "pg_loss", "grad_norm", "total_tokens_per_s",
     "time/rollout", "time/reward", "time/logprobs", "time/train", "time/weight_sync", "time/step",
-    "rollout_logp_diff",
+    "rollout_logp_diff", "response_tokens_per_s", "response_tokens_per_s_per_worker", "perf/train_flops_per_s",
+    "perf/rollout_flops_per_s", "perf/peak_flops", "perf/mfu_train", "perf/mfu_rollout",
 }  # fmt: skip
 
 

@@ -138,3 +138,24 @@ def test_redone_steps_keep_one_curve_in_the_history_and_in_metrics_jsonl(tmp_pat
     ]
     progress.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == rows
+
+
+def test_the_report_shows_throughput_and_mfu_medians_without_the_first_step():
+    from yatt_ray.progress import flops_text, perf_report_lines
+
+    def row(step, scale):
+        return {
+            "step": float(step), "response_tokens_per_s": 100.0 * scale, "total_tokens_per_s": 300.0 * scale,
+            "response_tokens_per_s_per_worker": 50.0 * scale, "total_tokens_per_s_per_worker": 150.0 * scale,
+            "perf/train_flops_per_s": 2e9 * scale, "perf/rollout_flops_per_s": 1e8 * scale,
+            "perf/peak_flops": 1e10, "perf/mfu_train": 0.2 * scale, "perf/mfu_rollout": 0.01 * scale,
+        }  # fmt: skip
+
+    lines = perf_report_lines([row(1, 0.01), row(2, 1.0), row(3, 1.0), row(4, 3.0)])  # step 1: the cold start
+    assert lines[0].split() == [
+        "throughput", "response", "100.0", "tok/s,", "total", "300.0", "tok/s", "(50.0,", "150.0", "per",
+        "worker),", "median", "of", "steps", "2-4",
+    ]  # fmt: skip
+    assert lines[1].split()[:3] == ["rollout", "100.00", "MFLOP/s"] and lines[1].endswith("MFU 1.0%")
+    assert "2.00 GFLOP/s per accelerator of 10.00 GFLOP/s peak: MFU 20.0%" in lines[2]
+    assert perf_report_lines([]) == [] and flops_text(3.2e12) == "3.20 TFLOP/s"

@@ -185,7 +185,7 @@ def test_costs_from_metrics(tmp_path):
     rows = [
         {"step": 0, "eval/reward_mean": 0.1},
         *(
-            {"step": s, "samples": 64, "response_length": 100.0, "tokens_per_s": 1000.0, "time/step": 16.0,
+            {"step": s, "samples": 64, "response_length": 100.0, "total_tokens_per_s": 1000.0, "time/step": 16.0,
              "time/rollout": 4.0, "time/reward": 2.0, "time/logprobs": 1.0, "time/train": 3.0,
              "time/weight_sync": 0.5, "time/offload": 0.25}
             for s in (1, 2)

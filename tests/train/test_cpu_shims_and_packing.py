@@ -1,9 +1,10 @@
-"""CPU shims (Megatron's RNG tracker on the CPU generator) and the padding-packing helpers."""
+"""CPU shims (Megatron's RNG tracker on the CPU generator, oneDNN linear layers) and shared-prefix packing."""
 
 import pytest
 import torch
 
-from yatt_ray.train import apply_cpu_shims, pack_rows, unpack_next_token_values
+from yatt_ray.train import apply_cpu_shims, pack_shared_prefix
+from yatt_ray.train.cpu_shims import OneDnnLinear, onednn_linear_available
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are a no-op with CUDA")
@@ -27,16 +28,81 @@ def test_shims_are_idempotent_and_seed_distinct_tracker_states(single_process_wo
     assert not torch.equal(a, b)  # ... and advances its own
 
 
-def test_pack_moves_real_tokens_first_and_unpack_restores_columns():
-    ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 0]])
+def test_shared_prefix_pack_by_hand():
+    # two samples of the prompt [5, 6, 7] (left-padded), responses [8, 9] and [4]; then a lone row
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9], [0, 5, 6, 7, 4, 0], [6, 7, 5, 5, 0, 0]])
     mask = (ids != 0).long()
-    packed = pack_rows(ids, mask)
-    assert packed.input_ids.tolist() == [[5, 6, 7, 0], [5, 6, 7, 8]]  # trimmed to the longest row
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3]] * 2
-    m = packed.attention_mask()
-    assert m.shape == (2, 1, 4, 4) and m[0, 0, 3].tolist() == [False, False, False, False]
-    assert m[0, 0, 2].tolist() == [False, False, False, True]  # future (and padding) keys masked
+    packed = pack_shared_prefix(ids, mask, group_size=2)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 7, 4], [6, 7, 5, 5, 0, 0, 0]]
+    assert packed.position_ids.tolist()[0] == [0, 1, 2, 3, 4, 2, 3]  # the copy of 7 sits at 7's position
+    assert packed.segment.tolist() == [
+        [0, 0, 1, 1, 1, 2, 2],
+        [0, 0, 0, 1, -1, -1, -1],
+    ]  # a lone row: body + 1
+    assert packed.targets.tolist() == [[6, 7, 8, 9, 0, 4, 0], [7, 5, 5, 0, 0, 0, 0]]
+    assert packed.tokens == 11  # instead of 3 x 6 padded
+    m = packed.attention_mask()[0, 0]
+    T, F = True, False
+    assert m[5].tolist() == [F, F, T, T, T, F, T]  # sample 2 sees the body and itself, not sample 1
+    assert m[3].tolist() == [F, F, F, F, T, T, T]
+    assert packed.attention_mask()[1, 0, 2].tolist() == [F, F, F, T, T, T, T]  # padding keys masked
+    values = torch.arange(14, dtype=torch.float32).reshape(2, 7) + 1  # value = 1 + flat position
+    out = packed.unpack(values)  # [B, T-1]: column t predicts token t+1
+    assert out.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 6, 0], [8, 9, 10, 0, 0]]
 
-    values = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])  # values[:, j] predicts packed token j+1
-    out = unpack_next_token_values(packed, values, total_len=5)
-    assert out.tolist() == [[0.0, 0.0, 1.0, 2.0], [1.0, 2.0, 3.0, 0.0]]  # [B, T-1]; pad targets -> 0
+
+def test_any_grouping_gives_the_unpacked_rows_outputs(single_process_world):
+    """Against brute force: each row alone through a causal model gives the same per-token values, for
+    every group size and length cap (groups with and without a common prefix, empty responses)."""
+    from yatt_ray.batch import pack
+
+    gen = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for g in range(4):
+        prompt = torch.randint(
+            4, 20, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(3):
+            length = int(torch.randint(0, 5, (1,), generator=gen))
+            prompts.append(prompt if g < 3 else prompt + [g])
+            responses.append(torch.randint(4, 20, (length,), generator=gen).tolist())
+    batch = pack(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0, group_size=3)
+    emb = torch.randn(32, 8, generator=gen)
+
+    def model(ids, positions, mask):  # one causal attention layer with a position term, no learning
+        h = emb[ids] + positions[..., None].float() * 0.1
+        scores = (h @ h.transpose(1, 2)).masked_fill(mask[:, 0], float("-inf"))
+        return torch.softmax(scores, -1) @ h
+
+    def alone(i):
+        real = batch.attention_mask[i].bool()
+        ids = batch.input_ids[i][real][None]
+        n = ids.shape[1]
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+        return model(ids, torch.arange(n)[None], causal)[0, :, 0], torch.nonzero(real).flatten()
+
+    for group_size, cap in ((1, None), (3, None), (3, 6), (5, None)):
+        packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, group_size, max_len=cap)
+        out = packed.unpack(model(packed.input_ids, packed.position_ids, packed.attention_mask())[..., 0])
+        for i in range(batch.size):
+            expect, cols = alone(i)
+            assert torch.allclose(out[i, cols[1:] - 1], expect[:-1], atol=1e-5), (group_size, cap, i)
+            others = torch.ones(out.shape[1], dtype=torch.bool)
+            others[cols[1:] - 1] = False
+            assert (out[i, others] == 0).all()
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear op")
+def test_onednn_linear_matches_torch_in_value_and_gradients():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=gen, requires_grad=True)
+    w = torch.randn(24, 16, generator=gen, requires_grad=True)
+    b = torch.randn(24, generator=gen, requires_grad=True)
+    up = torch.randn(3, 5, 24, generator=gen)
+    ours = OneDnnLinear.apply(x, w, b, False, None)
+    grads = torch.autograd.grad((ours * up).sum(), (x, w, b))
+    ref = torch.nn.functional.linear(x, w, b)
+    expected = torch.autograd.grad((ref * up).sum(), (x, w, b))
+    assert torch.allclose(ours, ref, atol=1e-5)
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want, atol=1e-4)

@@ -5,6 +5,7 @@ import torch
 
 from yatt_ray.models.tiny import TinyModelSpec, build_tiny_model
 from yatt_ray.train import LlamaShape, build_gpt_model, load_hf_weights, seed_everything
+from yatt_ray.train.model import rope_positions
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -23,7 +24,7 @@ def test_megatron_logits_match_hf(tiny_model_dir, tmp_path, single_process_world
     b, t = ids.shape
     causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1).expand(b, 1, t, t)
     with torch.no_grad():
-        got = model(ids, torch.arange(t).expand(b, t), causal)
+        got = model(ids, rope_positions(torch.arange(t).expand(b, t)), causal)
         want = hf(ids).logits
     assert got.shape == (b, t, shape.vocab_size)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -156,15 +156,16 @@ def test_policy_token_budget_gives_the_same_log_probs_and_step(tiny_model_dir):
 
 
 def test_critic_token_budget_gives_the_same_values_and_step(tiny_model_dir):
+    # (1e-5: a micro-batch of another size runs oneDNN matmuls of another shape, so sums round differently)
     batch = shuffled_batch(make_value_batch, seed=8)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     loss_fn = make_value_loss_fn(real_tokens(batch))
     a, b = critic(tiny_model_dir), critic(tiny_model_dir)
     torch.testing.assert_close(
-        b.values(ids, mask, max_tokens_per_micro_batch=BUDGET), a.values(ids, mask, 6), atol=1e-6, rtol=0
+        b.values(ids, mask, max_tokens_per_micro_batch=BUDGET), a.values(ids, mask, 6), atol=1e-5, rtol=0
     )
     m_fixed = a.train_step(batch, loss_fn, micro_batch_size=4)
     m_budget = b.train_step(batch, loss_fn, max_tokens_per_micro_batch=BUDGET)
-    assert m_budget["grad_norm"] == pytest.approx(m_fixed["grad_norm"], rel=1e-6)
-    assert m_budget["loss"] == pytest.approx(m_fixed["loss"], rel=1e-6)
-    torch.testing.assert_close(b.values(ids, mask, 6), a.values(ids, mask, 6), atol=1e-6, rtol=0)
+    assert m_budget["grad_norm"] == pytest.approx(m_fixed["grad_norm"], rel=1e-5)
+    assert m_budget["loss"] == pytest.approx(m_fixed["loss"], rel=1e-5)
+    torch.testing.assert_close(b.values(ids, mask, 6), a.values(ids, mask, 6), atol=1e-5, rtol=0)

@@ -105,3 +105,34 @@ def test_gae_advantages_are_whitened_and_returns_kept():
     adv = out["advantages"][mask.bool()]
     assert abs(adv.mean().item()) < 1e-6 and abs(adv.std().item() - 1.0) < 1e-3
     assert out["advantages"][0, 2].item() == 0.0
+
+
+def test_on_policy_loss_records_old_logp_and_matches_the_loss_with_given_old_logp():
+    """`record_old_logp`: old = logp.detach() and IS weights against it give the loss (and gradient) of the
+    off-policy form fed those same old log-probs; the detached values land in the buffer at `row`."""
+    from yatt_ray.algos import tis_weights
+    from yatt_ray.config import AlgoConfig
+    from yatt_ray.step import policy_loss_fn
+
+    algo = AlgoConfig(tis_cap=2.0)
+    gen = torch.Generator().manual_seed(0)
+    logp = torch.randn(4, 5, generator=gen) - 2  # [b, T-1] with prompt width 2: response columns 1..4
+    mb = {
+        "response_mask": torch.ones(4, 4),
+        "advantages": torch.randn(4, 4, generator=gen),
+        "rollout_logp": logp[:, 1:] + 0.3 * torch.randn(4, 4, generator=gen),
+        "row": torch.tensor([5, 1, 2, 7]),
+    }
+    buffer = torch.zeros(8, 4)
+    a = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss_fn(algo, 2, 16.0, 4.0, 0.0, 4, record_old_logp=buffer)(a, torch.zeros_like(a), mb)
+    loss.backward()
+    old = logp[:, 1:]
+    given = {**mb, "old_logp": old, "tis_weights": tis_weights(old, mb["rollout_logp"], 2.0)}
+    b = logp.clone().requires_grad_(True)
+    expected, _ = policy_loss_fn(algo, 2, 16.0, 4.0, 0.0, 4)(b, torch.zeros_like(b), given)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(a.grad, b.grad)
+    torch.testing.assert_close(buffer[[5, 1, 2, 7]], old)
+    assert buffer[[0, 3, 4, 6]].abs().sum() == 0

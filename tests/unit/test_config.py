@@ -53,6 +53,14 @@ def test_round_trip_through_dict():
         ("steps", "is not of the form key.sub=value"),
         ("train.lr=fast", "train.lr='fast' must be of type float"),
         ("rollout.engine=vllm train.tp_size=2", "the colocated vLLM engine needs tp_size=1"),
+        ("cluster.cpus_per_worker=0", "cluster.cpus_per_worker=0 must be >= 1 (or null"),
+        ("cluster.peak_flops=0", "cluster.peak_flops=0.0 must be > 0"),
+        (
+            "checkpoint.enable=false checkpoint.resume=/ckpt",
+            "checkpoint.resume='/ckpt' starts from a checkpoint",
+        ),
+        ("checkpoint.enable=false checkpoint.export_hf_every=5", "unset them or set checkpoint.enable=true"),
+        ("checkpoint.enable=false checkpoint.log_prompt_ids=true", "checkpoint.log_prompt_ids writes under"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(override, fragment):
@@ -172,3 +180,13 @@ def test_a_frozen_config_refuses_changes_and_survives_pickling():
     thawed = Config.from_dict(config.to_dict())  # a copy is mutable again (fit() resolves its own copy)
     thawed.rollout.engine = "hf"
     assert thawed.rollout.engine == "hf" and config.rollout.engine == "auto"
+
+
+def test_new_keys_and_their_defaults():
+    config = load_config(None, [])
+    assert config.cluster.cpus_per_worker is None and config.cluster.peak_flops is None
+    assert config.checkpoint.enable and not config.rollout.ignore_eos and not config.output.verbose
+    set_ = load_config(None, ["cluster.cpus_per_worker=2", "cluster.peak_flops=312e12", "checkpoint.enable=false",
+                              "rollout.ignore_eos=true", "output.verbose=true"])  # fmt: skip
+    assert (set_.cluster.cpus_per_worker, set_.cluster.peak_flops) == (2, 312e12)
+    assert not set_.checkpoint.enable and set_.rollout.ignore_eos and set_.output.verbose

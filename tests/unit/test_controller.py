@@ -132,7 +132,9 @@ def controller(**overrides) -> tuple[GroupController, list, FakePolicy, FakeEngi
 def test_one_step_runs_the_phases_in_order_and_reduces_the_metrics(single_process_world):
     ctrl, log, policy, engine, link = controller(**{"algo.kl_coef": 0.1})
     metrics = ctrl.step(1)
-    assert log == ["generate", "old_logp", "ref_logp", "train", "weight_sync", "finish_weight_sync"]
+    # on-policy (one epoch, one mini-batch): the old log-probs come from the training forward, no pass of
+    # their own; the reference pass remains
+    assert log == ["generate", "ref_logp", "train", "weight_sync", "finish_weight_sync"]
     phases = [s.phase for s in link.spans]
     assert phases == ["rollout", "reward", "logprobs", "train", "weight_sync"]
     assert engine.loaded == ["model.embed_tokens.weight"]
@@ -140,15 +142,16 @@ def test_one_step_runs_the_phases_in_order_and_reduces_the_metrics(single_proces
     assert metrics["samples"] == 8 and metrics["reward_mean"] == 0.5 and metrics["accuracy"] == 0.5
     assert metrics["response_length"] == 2.0 and metrics["truncated_fraction"] == 0.0
     # engine -0.5 per token against the trainer's -1: |diff| 0.5; k3 KL of old -1 vs ref -1.1 per token
-    assert metrics["rollout_logp_diff"] == pytest.approx(0.5)
+    assert metrics["rollout_logp_diff"] == pytest.approx(0.5)  # the training forward's log-probs, recorded
     assert metrics["kl"] == pytest.approx(float(torch.exp(torch.tensor(-0.1)) - 1 + 0.1), rel=1e-5)
     assert ctrl.prompt_feed.consumed == [0, 1, 2, 3]
 
 
 def test_each_phase_adds_its_batch_fields(single_process_world):
-    ctrl, _, policy, _, _ = controller(**{"algo.kl_coef": 0.1})
+    ctrl, log, policy, _, _ = controller(**{"algo.kl_coef": 0.1, "algo.ppo_epochs": 2})
     ctrl.step(1)
-    (trained,) = policy.batches
+    assert log[:3] == ["generate", "old_logp", "ref_logp"]  # two epochs: the old log-probs are data
+    trained = policy.batches[0]
     assert sorted(trained) == sorted(
         ["input_ids", "attention_mask", "response_mask", "rollout_logp", "rewards", "old_logp", "ref_logp",
          "tis_weights", "advantages"]
@@ -165,5 +168,6 @@ def test_each_phase_adds_its_batch_fields(single_process_world):
 def test_without_kl_there_is_no_reference_pass_and_no_kl_metric(single_process_world):
     ctrl, log, policy, _, _ = controller(**{"algo.kl_coef": 0.0, "algo.tis_cap": "null"})
     metrics = ctrl.step(1)
-    assert "ref_logp" not in log and "kl" not in metrics
+    assert "ref_logp" not in log and "old_logp" not in log and "kl" not in metrics
+    assert policy.batches[0]["row"].tolist() == list(range(8))  # where the training forward's log-probs go
     assert "ref_logp" not in policy.batches[0] and "tis_weights" not in policy.batches[0]

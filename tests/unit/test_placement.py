@@ -26,13 +26,33 @@ def test_too_many_workers_for_the_cpus():
         plan_placement(cfg("train.dp_size=8", "train.prompts_per_step=8"), {"CPU": 8.0})
 
 
+def test_unresolved_cpus_per_worker_shares_the_clusters_cpus():
+    # 9 CPUs less 1 for the data tasks, over 2 workers: 4 each (the driver resolves it from the nodes first)
+    plan = plan_placement(cfg("train.dp_size=2", "train.prompts_per_step=4"), {"CPU": 9.0})
+    assert plan.cpus_per_worker == 4 and plan.trainer_resources() == {"CPU": 4.0}
+    assert "each worker: 4 CPU" in plan.describe()
+    set_explicitly = plan_placement(
+        cfg("cluster.cpus_per_worker=2", "train.prompts_per_step=4"), {"CPU": 9.0}
+    )
+    assert set_explicitly.cpus_per_worker == 2
+
+
+def test_the_plan_lists_the_models_each_worker_builds():
+    with_kl = plan_placement(cfg("algo.kl_coef=0.01"), {"CPU": 4.0}).describe()
+    assert "policy + reference + optimizer" in with_kl
+    without = plan_placement(cfg("algo.kl_coef=0"), {"CPU": 4.0}).describe()
+    assert "policy + optimizer" in without and "reference" not in without
+    ppo = cfg("algo.name=ppo", "critic.enable=true", "algo.kl_coef=0")
+    assert "policy + critic + optimizer" in plan_placement(ppo, {"CPU": 4.0}).describe()
+
+
 def test_too_many_workers_for_the_gpus():
     config = cfg("train.dp_size=4", "train.tp_size=4", "train.prompts_per_step=8", "cluster.use_gpu=true")
     with pytest.raises(PlacementError, match="needs 16 GPUs .* has 8"):
         plan_placement(config, {"CPU": 128.0, "GPU": 8.0})
 
 
-GENRM = ("reward.mode=genrm", "train.dp_size=2", "train.prompts_per_step=4")
+GENRM = ("reward.mode=genrm", "train.dp_size=2", "train.prompts_per_step=4", "cluster.cpus_per_worker=1")
 
 
 def test_full_coexistence_puts_one_judge_beside_each_trainer():

@@ -79,17 +79,21 @@ class TrainingCheckpoints:
     """One worker's side of the run's checkpoints; every method that says "collective" is called by all ranks.
 
     `hub` is the worker's `HubLink` to the MetricsHub (the metrics history goes into each checkpoint); `control` its RunControl.
+    With `checkpoint.enable=false` no store is opened: `resume` starts fresh, nothing is saved, and
+    `after_step` only passes stop requests on (collective, so every rank stops after the same step).
     """
 
     def __init__(self, config, layout, control, hub) -> None:
         c = config.checkpoint
         self.config, self.cfg, self.layout, self.control, self.hub = config, c, layout, control, hub
+        self.enabled = bool(c.enable)
         opts = dict(c.storage_options)
-        self.store = CheckpointStore(
-            c.dir, keep_last=c.keep_last, keep_every=c.keep_every, storage_options=opts
-        )
-        self.rank_store = CheckpointStore(rank_url(c.dir, layout.rank), _NO_RETENTION, None, opts)
-        self.writer = AsyncCheckpointWriter(self.rank_store)
+        if self.enabled:
+            self.store = CheckpointStore(
+                c.dir, keep_last=c.keep_last, keep_every=c.keep_every, storage_options=opts
+            )
+            self.rank_store = CheckpointStore(rank_url(c.dir, layout.rank), _NO_RETENTION, None, opts)
+            self.writer = AsyncCheckpointWriter(self.rank_store)
         self.schedule = CheckpointSchedule(c.every_steps, c.every_minutes)
         self.handles: list[SaveHandle] = []
         self.ok_steps: set[int] = set()
@@ -107,7 +111,9 @@ class TrainingCheckpoints:
     # ---- resume (collective) --------------------------------------------------------------------------------
     def resume(self, state: TrainState) -> Resumed | None:
         """Restore the newest valid checkpoint (per `checkpoint.resume`) into `state`'s trainers and this rank's
-        RNGs; None for a fresh start."""
+        RNGs; None for a fresh start (always with checkpoints off)."""
+        if not self.enabled:
+            return None
         choice: Any = None
         if self.layout.rank == 0:
             try:
@@ -202,6 +208,9 @@ class TrainingCheckpoints:
         """Commit finished saves, save when due, export when due; True when the run should stop now. The time
         it held the step is kept in `overhead_s` (the next step's row reports it)."""
         start = time.perf_counter()
+        if not self.enabled:
+            self.stop_reason = self._broadcast_stop_request()
+            return self.stop_reason is not None
         head = self._exchange(step, poll=True)
         reason = head["stop"] or head["due"]
         if head["stop"]:
@@ -215,6 +224,8 @@ class TrainingCheckpoints:
 
     def finish(self, step: int, state: TrainState) -> None:
         """At the end (or a stop): the final save when `checkpoint.at_end`, then wait for every write."""
+        if not self.enabled:
+            return
         if self.cfg.at_end and self.last_saved != step:
             self.save(step, state, "end of run", wait=True)
         if self.unlogged:
@@ -232,6 +243,8 @@ class TrainingCheckpoints:
 
     def metrics(self) -> dict[str, float]:
         """For the step's row: failed saves so far (all ranks) and the previous step's checkpoint overhead."""
+        if not self.enabled:
+            return {}
         return {"checkpoint/failures": float(self.failures_all), "checkpoint/overhead_s": self.overhead_s}
 
     def _exchange(self, step: int, poll: bool) -> dict:
@@ -269,6 +282,12 @@ class TrainingCheckpoints:
                 self.ok_steps.add(handle.step)
             else:
                 self.failures += 1  # the writer has logged it; the previous checkpoint stays the newest
+
+    def _broadcast_stop_request(self) -> str | None:
+        """Collective: rank 0's view of a stop request (the reason, or None), on every rank."""
+        box = [self._stop_requested() if self.layout.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _stop_requested(self) -> str | None:
         import ray
@@ -384,7 +403,7 @@ class TrainingCheckpoints:
 
         A record that cannot be written (the store is down) is kept and written with the next one, so an
         outage of the store leaves no hole in the audit once it is back."""
-        if not self.cfg.log_prompt_ids:
+        if not self.cfg.log_prompt_ids or not self.enabled:
             return
         name = f"step_{step:08d}.dp_{self.layout.dp_rank:03d}.{self.session}.json"
         record = {

@@ -1,4 +1,5 @@
-"""Metrics: per-phase timers, sinks (JSONL, TensorBoard) and plots of training curves."""
+"""Metrics: per-phase timers, sinks (JSONL, TensorBoard), plots of training curves, and model FLOPs / peaks for MFU
+(`flops`)."""
 
 from yatt_ray.metrics.plot import plot_history
 from yatt_ray.metrics.sinks import JsonlSink, MultiSink, Sink, TensorBoardSink, read_jsonl, validate_metrics

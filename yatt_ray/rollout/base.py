@@ -46,6 +46,9 @@ class SamplingSpec:
     - `stop_token_ids`: extra ids that end a completion, besides the model's EOS id(s) (from the model
       directory's `generation_config.json` or `config.json`). The stop token is kept as the last token of
       the completion, with its log-prob.
+    - `ignore_eos`: fixed-length generation (throughput runs): neither EOS nor `stop_token_ids` end a
+      completion; every one has `max_new_tokens` tokens (fewer only at the engine's maximum model length) and
+      finish_reason "length". An EOS can then be sampled mid-completion and the tokens after it are kept.
     """
 
     n: int
@@ -55,6 +58,7 @@ class SamplingSpec:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,12 +89,19 @@ class SamplingSpec:
             isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops
         ):
             problems.append(f"stop_token_ids={stops!r} must be a tuple of token ids (ints >= 0)")
+        if not isinstance(self.ignore_eos, bool):
+            problems.append(f"ignore_eos={self.ignore_eos!r} must be a bool")
         if problems:
             raise ConfigError("invalid SamplingSpec: " + "; ".join(problems))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def stops(self, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids that end a completion: the model's EOS ids and `stop_token_ids`, in order without
+        repeats; none with `ignore_eos`."""
+        return () if self.ignore_eos else tuple(dict.fromkeys((*eos_token_ids, *self.stop_token_ids)))
 
 
 def _is_real(x: object) -> bool:

@@ -82,9 +82,10 @@ class HFEngine:
         self._pad_id: int = (
             int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         )
-        # Drop the checkpoint's generation defaults: only what SamplingSpec says may shape sampling.
+        # Drop the checkpoint's generation defaults: only what SamplingSpec says may shape sampling. No EOS here
+        # either: `generate` fills an unset eos_token_id from it, and each call names its stop ids itself.
         self._model.generation_config = GenerationConfig(
-            bos_token_id=cfg.bos_token_id, eos_token_id=list(self.eos_token_ids), pad_token_id=self._pad_id
+            bos_token_id=cfg.bos_token_id, pad_token_id=self._pad_id
         )
         self._max_batch_size = max_batch_size
         cuda_index = None
@@ -128,7 +129,7 @@ class HFEngine:
         for i, row in enumerate(rows):
             input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
             attention_mask[i, width - len(row) :] = 1
-        stops = tuple(dict.fromkeys((*self.eos_token_ids, *spec.stop_token_ids)))
+        stops = spec.stops(self.eos_token_ids)
         sampling = {}
         if not spec.greedy:
             sampling = {

@@ -17,14 +17,14 @@ from yatt_ray.train.model import (
     seed_everything,
     transformer_config,
 )
-from yatt_ray.train.packing import PackedRows, pack_rows, unpack_next_token_values
+from yatt_ray.train.packing import SharedPrefixRows, pack_shared_prefix
 from yatt_ray.train.policy import MegatronPolicy
 
 __all__ = [
     "LlamaShape",
     "MegatronCritic",
     "MegatronPolicy",
-    "PackedRows",
+    "SharedPrefixRows",
     "apply_cpu_shims",
     "build_gpt_model",
     "check_tp_size",
@@ -33,11 +33,10 @@ __all__ = [
     "load_hf_weights",
     "load_megatron_shard",
     "megatron_to_hf",
-    "pack_rows",
+    "pack_shared_prefix",
     "plan_micro_batches",
     "read_hf_state_dict",
     "seed_everything",
     "token_logprobs_and_entropy",
     "transformer_config",
-    "unpack_next_token_values",
 ]

@@ -4,6 +4,13 @@ Megatron assumes CUDA in a handful of places that a CPU run reaches (see `shared
 patch the library applies lives in this one module, each with the reason next to it. `apply_cpu_shims()` is
 idempotent and does nothing at all when CUDA is available, so GPU runs see an unmodified Megatron.
 
+One patch is for speed, not for function: Megatron's tensor-parallel linear layers run their three matmuls
+(forward, input gradient, weight gradient) through oneDNN instead of `torch.matmul`. torch's CPU wheel does
+fp32 GEMM with MKL, which on AMD CPUs picks a slow code path: measured on this project's 2-core AMD EPYC
+(AVX-512), `torch.matmul` [2560, 512] x [512, 2048] reached 190 GFLOP/s and oneDNN 470-510 GFLOP/s, fp32 both
+(largest difference 1.4e-4 on outputs of size ~20: accumulation order). `release/bench_vs_trl.py` shows what
+it buys end to end.
+
 Not patched on purpose:
 - `torch.cuda.manual_seed_all`: `torch.manual_seed` calls it, so redirecting it to `torch.manual_seed` recurses;
   on a CPU build it only queues a lazy call that never runs, which is harmless.
@@ -33,6 +40,7 @@ def apply_cpu_shims() -> bool:
         return True
     _patch_torch_cuda()
     _patch_rng_tracker()
+    _patch_linear_matmuls()
     _APPLIED = True
     return True
 
@@ -102,3 +110,75 @@ def _patch_rng_tracker() -> None:
     # are CPU ones. Drop any tracker already built so the next `get_cuda_rng_tracker()` makes a CPU one.
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def onednn_linear_available() -> bool:
+    """True when this torch build has oneDNN's dense linear op (`torch.ops.mkldnn._linear_pointwise`)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b[N, K].T -> [M, N] with oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+class OneDnnLinear(torch.autograd.Function):
+    """y = x W^T + b with every matmul on oneDNN; the input gradient is summed over `tp_group` when
+    `allreduce_dgrad` (a column-parallel layer's input is replicated over the TP ranks).
+
+    x [..., K], W [N, K] (this rank's shard), b [N] or None -> y [..., N]. Backward: dx = dy W, dW = dy^T x,
+    db = sum(dy), over the flattened leading dimensions.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.allreduce_dgrad, ctx.tp_group = bias is not None, allreduce_dgrad, tp_group
+        out = _mm_t(x.reshape(-1, x.shape[-1]), weight)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _mm_t(g, weight.t()).view(x.shape)  # strided views: oneDNN reads them as they are
+            if ctx.allreduce_dgrad:
+                torch.distributed.all_reduce(grad_x, group=ctx.tp_group)
+        if ctx.needs_input_grad[1]:
+            grad_w = _mm_t(g.t(), x.reshape(-1, x.shape[-1]).t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(dim=0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _patch_linear_matmuls() -> None:
+    """Route Megatron's ColumnParallelLinear / RowParallelLinear matmuls through `OneDnnLinear` (see the
+    module docstring). Calls with options this library never sets (sequence parallelism, fused gradient
+    accumulation, deferred weight gradients) keep Megatron's own function."""
+    if not onednn_linear_available():
+        return
+    from megatron.core.tensor_parallel import layers
+
+    def routed(original):
+        def linear(input, weight, bias=None, **options):
+            plain = not (
+                options.get("sequence_parallel")
+                or options.get("gradient_accumulation_fusion")
+                or options.get("grad_output_buffer")
+            )
+            if not plain or input.dtype not in (torch.float32, torch.bfloat16):
+                return original(input, weight, bias, **options)
+            dgrad = options.get("async_grad_allreduce")
+            dgrad = options.get("allreduce_dgrad", False) if dgrad is None else dgrad
+            return OneDnnLinear.apply(input, weight, bias, dgrad, options.get("tp_group"))
+
+        return linear
+
+    layers.linear_with_grad_accumulation_and_async_allreduce = routed(
+        layers.linear_with_grad_accumulation_and_async_allreduce
+    )
+    layers.linear_with_frozen_weight = routed(layers.linear_with_frozen_weight)

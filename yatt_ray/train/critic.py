@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from yatt_ray.errors import ConfigError
 from yatt_ray.train.hf_convert import StateDict, hf_to_megatron, megatron_to_hf
-from yatt_ray.train.model import build_gpt_model, load_megatron_shard, read_hf_state_dict
-from yatt_ray.train.packing import pack_rows, unpack_next_token_values
+from yatt_ray.train.model import build_gpt_model, forward_packed, load_megatron_shard, read_hf_state_dict
+from yatt_ray.train.packing import pack_shared_prefix
 from yatt_ray.train.trainer_base import MegatronTrainerBase, write_hf_dir
 
 ValueLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -148,11 +148,15 @@ class MegatronCritic(MegatronTrainerBase):
 
     # ---- forward ------------------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, attention_mask [B, T] -> values [B, T-1] float32; column t = V(state after token t)."""
-        packed = pack_rows(input_ids.to(self.device), attention_mask.to(self.device))
-        values = self.model(packed.input_ids, packed.position_ids, packed.attention_mask())  # [B, L, 1]
-        return unpack_next_token_values(packed, values[:, :-1, 0].float(), input_ids.shape[1])
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        """input_ids, attention_mask [B, T] -> values [B, T-1] float32; column t = V(state after token t).
+        Shared-prefix packing of `group_size` consecutive rows, as in `MegatronPolicy`."""
+        packed = pack_shared_prefix(input_ids, attention_mask, group_size).to(self.device)
+        self.forward_tokens += packed.tokens
+        values = forward_packed(self.model, packed)  # [G, L, 1]
+        return packed.unpack(values[..., 0].float())
 
     @torch.no_grad()
     def values(
@@ -161,6 +165,7 @@ class MegatronCritic(MegatronTrainerBase):
         attention_mask: torch.Tensor,
         micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
+        group_size: int = 1,
     ) -> torch.Tensor:
         """V(state after token t) at column t, [B, T-1] float32 (CPU), no grad.
 
@@ -175,7 +180,8 @@ class MegatronCritic(MegatronTrainerBase):
             attention_mask,
             micro_batch_size,
             max_tokens_per_micro_batch,
-            lambda ids, mask: (self._forward(ids, mask),),
+            lambda ids, mask: (self._forward(ids, mask, group_size),),
+            group_size,
         )
         return values
 
@@ -187,6 +193,7 @@ class MegatronCritic(MegatronTrainerBase):
         loss_fn: ValueLossFn,
         micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
+        group_size: int = 1,
     ) -> dict:
         """One optimizer step over `batch` (rows split into micro-batches; gradients accumulate).
 
@@ -198,9 +205,9 @@ class MegatronCritic(MegatronTrainerBase):
         """
 
         def micro_loss(micro: dict) -> tuple[torch.Tensor, dict]:
-            return loss_fn(self._forward(micro["input_ids"], micro["attention_mask"]), micro)
+            return loss_fn(self._forward(micro["input_ids"], micro["attention_mask"], group_size), micro)
 
-        return self._train_step(batch, micro_batch_size, max_tokens_per_micro_batch, micro_loss)
+        return self._train_step(batch, micro_batch_size, max_tokens_per_micro_batch, micro_loss, group_size)
 
     # ---- export -------------------------------------------------------------------------------------------
 

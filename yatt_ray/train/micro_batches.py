@@ -1,13 +1,16 @@
 """Split a batch's rows into micro-batches: a fixed number of rows, or a token budget (dynamic batching).
 
-Both forms return lists of row indices; the trainer runs one forward (and backward) per list and writes
-per-row results back at those indices, so callers always get rows in their original order.
+Both forms keep a group (a prompt's `group_size` consecutive samples) in one micro-batch and return lists of
+row indices; the trainer runs one forward (and backward) per list and writes per-row results back at those
+indices, so callers always get rows in their original order.
 
-Token budget: the cost of a micro-batch is (rows x longest real length among them), which is what the packed
-forward computes (`packing.pack_rows` trims every micro-batch to its longest real row). Rows are taken in
-order of DECREASING real length (ties by row index), and each micro-batch is filled greedily until the next
-row would push the cost over the budget. Sorting first keeps rows of similar length together, so little of
-the budget is spent on padding, and the first row of a micro-batch always sets its width.
+Token budget: `plan_micro_batches` plans units (groups) of given lengths so that (units x longest unit) stays
+within the budget, which is what the packed forward computes: `packing.pack_shared_prefix` packs each group
+into one row, padded to the micro-batch's longest. A group's real tokens bound its packed length from above,
+so they are its planning length. Units are taken in order of DECREASING length (ties by index), and each
+micro-batch is filled greedily until the next unit would push the cost over the budget. Sorting first keeps
+units of similar length together, so little of the budget is spent on padding, and the first unit of a
+micro-batch always sets its width.
 """
 
 from __future__ import annotations
@@ -49,22 +52,27 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def micro_batch_indices(
-    attention_mask: torch.Tensor, micro_batch_size: int | None, max_tokens: int | None
+    attention_mask: torch.Tensor, micro_batch_size: int | None, max_tokens: int | None, group_size: int = 1
 ) -> list[list[int]]:
-    """Row-index lists for one pass over a [B, T] batch.
+    """Row-index lists for one pass over a [B, T] batch; each group of `group_size` consecutive rows (a
+    prompt's samples, packed together by `packing.pack_shared_prefix`) stays in one micro-batch.
 
-    With `max_tokens` (the token budget) the rows are planned by `plan_micro_batches` over their real lengths
-    and `micro_batch_size` is ignored; otherwise consecutive chunks of `micro_batch_size` rows.
+    With `max_tokens` (the token budget) the groups are planned by `plan_micro_batches` over their packed
+    lengths and `micro_batch_size` is ignored; otherwise consecutive chunks of `micro_batch_size` rows,
+    rounded down to whole groups (at least one group).
     """
     rows = attention_mask.shape[0]
+    groups = [list(range(s, min(s + group_size, rows))) for s in range(0, rows, group_size)]
     if max_tokens is not None:
-        return plan_micro_batches(attention_mask.sum(dim=1).tolist(), max_tokens)
+        lengths = [int(attention_mask[g].sum()) for g in groups]  # >= the group's packed length
+        return [[i for k in plan for i in groups[k]] for plan in plan_micro_batches(lengths, max_tokens)]
     if micro_batch_size is None or micro_batch_size < 1:
         raise ValueError(
             f"micro_batch_size={micro_batch_size}: give a micro_batch_size >= 1 or a "
             "max_tokens_per_micro_batch budget."
         )
-    return [list(range(s, min(s + micro_batch_size, rows))) for s in range(0, rows, micro_batch_size)]
+    step = max(group_size, micro_batch_size // group_size * group_size)
+    return [list(range(s, min(s + step, rows))) for s in range(0, rows, step)]
 
 
 def select_rows(batch: dict, rows: int, index: list[int], device) -> dict:

@@ -107,14 +107,19 @@ def transformer_config(shape: LlamaShape, tp_size: int):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,
+        # RoPE at given positions (packing.pack_shared_prefix places tokens off their column): Megatron's
+        # multimodal RoPE with every channel in the first section and the same positions in all three rows
+        # is exactly 1-D RoPE at `position_ids`.
+        mrope_section=[shape.head_dim // 2, 0, 0],
     )
 
 
 def build_gpt_model(shape: LlamaShape):
     """An uninitialised Megatron `GPTModel` (local spec, RMSNorm, SwiGLU, RoPE) for this rank's TP shard.
 
-    On a GPU build it is moved to the current CUDA device. Forward: (input_ids [B,T], position_ids [B,T],
-    attention_mask [B,1,T,T] bool True=masked) -> logits [B, T, V/tp] (vocab-parallel, not gathered).
+    On a GPU build it is moved to the current CUDA device. Forward: `forward_packed`, or (input_ids [B,T],
+    position_ids [3,B,T] (`rope_positions`), attention_mask [B,1,T,T] bool True=masked) -> logits
+    [B, T, V/tp] (vocab-parallel, not gathered).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -129,13 +134,24 @@ def build_gpt_model(shape: LlamaShape):
         max_sequence_length=shape.max_positions,
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="mrope",  # RoPE at the given position_ids; see transformer_config
         rotary_base=int(shape.rope_theta),
         rotary_percent=1.0,
     )
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def rope_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] token positions -> the [3, B, T] position_ids of the model's (multimodal-form) RoPE."""
+    return position_ids[None].expand(3, *position_ids.shape)
+
+
+def forward_packed(model, packed) -> torch.Tensor:
+    """`model` (a GPTModel from `build_gpt_model`, or its DDP wrapper) over `packing.SharedPrefixRows`:
+    outputs [G, L, ...] at the packed positions (logits [G, L, V/tp] for a policy)."""
+    return model(packed.input_ids, rope_positions(packed.position_ids), packed.attention_mask())
 
 
 def read_hf_state_dict(model_dir: str | Path) -> StateDict:

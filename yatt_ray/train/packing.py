@@ -1,10 +1,25 @@
-"""Move padding out of the way before a Megatron forward, and put per-token results back afterwards.
+"""Shared-prefix packing: the rows of a group run through the model with their common prefix computed once.
 
-Megatron's RoPE ignores `position_ids`: token i of the input always gets rotary position i. A left-padded row
-would then put its first real token at position (number of pads), unlike the unpadded sequence. So each row is
-packed: its real tokens (attention_mask == 1) move to the front in their original order and the padding to
-the back. Every real token then sits at position cumsum(mask) - 1, exactly where it sits without padding,
-and right-padding only trails the causal attention of real tokens.
+A GRPO group is `n` samples of one prompt: in the padded batch its prompt appears `n` times and every row is
+padded to the longest response of the batch. Packing removes both wastes. Rows are taken in groups of
+consecutive rows (`group_size`); for a group with real tokens s_1..s_n whose longest common prefix has c
+tokens, the packed row is
+
+    s[0 : c-1]  |  s_1[c-1 :]  |  s_2[c-1 :]  | ... |  s_n[c-1 :]  | padding
+    shared body    segment 1      segment 2             segment n
+
+Each segment starts with its own copy of the last common token, so that every packed position predicts exactly
+one next token (the first response token of sample j is predicted from segment j's copy). Positions (RoPE):
+body token m sits at m; token m of s_j, m >= c-1, at m, exactly where it sits in the unpacked row. Attention:
+a body token sees the body before it; a segment token sees the whole body and its own segment up to itself;
+no token sees another segment or padding. The outputs at every real token are therefore those of the unpacked
+row, while the model runs over (c-1) + sum_j (len(s_j) - c + 1) tokens instead of n * width.
+
+A group whose packed length would exceed `max_len` is split into sub-groups (the attention mask and scores
+grow with the square of the packed length). Each (sub-)group is one packed row. Putting several short groups into
+one row (attending within themselves) was measured and did not pay on this project's CPU benchmark: the
+padding it saved cost as much again in the unfused attention over the longer rows. `group_size=1` is plain unpadding (each row alone, real tokens moved
+to the front). Any grouping gives the same results; only the cost differs.
 """
 
 from __future__ import annotations
@@ -12,59 +27,120 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+PAD_SEGMENT = -1
 
 
 @dataclass(frozen=True)
-class PackedRows:
-    """Rows with real tokens first.
+class SharedPrefixRows:
+    """Packed rows [G, L] and the map back to the original [B, T] layout.
 
-    input_ids [B, L] and real [B, L] (True = real token) are trimmed to L = the longest row (at least 2,
-    at most T); order [B, T] maps packed column j to the original column order[:, j].
+    input_ids [G, L] token ids (0 on padding); position_ids [G, L] RoPE positions; segment [G, L] 0 = shared
+    body, j >= 1 = a row's own tokens, -1 = padding;; targets [G, L] the token each position predicts (0 where
+    none); source [B, T-1] long: for original column t (which predicts original token t+1) the flat index into
+    a [G * L] tensor of the position that predicts it, or G * L (a zero) where token t+1 is not real.
     """
 
-    input_ids: torch.Tensor
-    real: torch.Tensor
-    order: torch.Tensor
+    input_ids: Tensor
+    position_ids: Tensor
+    segment: Tensor
+    targets: Tensor
+    source: Tensor
+
+    def attention_mask(self) -> Tensor:
+        """[G, 1, L, L] bool, True = masked (see the module docstring); a query always sees itself."""
+        seg, length = self.segment, self.segment.shape[1]
+        cols = torch.arange(length, device=seg.device)
+        causal = cols[None, :, None] >= cols[None, None, :]  # [1, q, k]
+        key_seg, query_seg = seg[:, None, :], seg[:, :, None]
+        visible = causal & (key_seg != PAD_SEGMENT) & ((key_seg == 0) | (key_seg == query_seg))
+        visible = visible | torch.eye(length, dtype=torch.bool, device=seg.device)
+        return ~visible[:, None]
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """Per-position values [G, L] (e.g. the log-prob of `targets`) -> [B, T-1] in the original columns,
+        0 where the next original token is padding. Differentiable w.r.t. `values`."""
+        flat = torch.cat([values.reshape(-1), values.new_zeros(1)])
+        return flat[self.source]
+
+    def to(self, device) -> SharedPrefixRows:
+        return SharedPrefixRows(*(t.to(device) for t in vars(self).values()))
 
     @property
-    def position_ids(self) -> torch.Tensor:
-        """[B, L] positions 0..L-1 (= cumsum(mask) - 1 of the original row for every real token)."""
-        b, length = self.input_ids.shape
-        return torch.arange(length, device=self.input_ids.device).expand(b, length)
-
-    def attention_mask(self) -> torch.Tensor:
-        """[B, 1, L, L] bool, True = masked: causal, and padding keys (a query always sees itself)."""
-        length = self.input_ids.shape[1]
-        ones = torch.ones(length, length, dtype=torch.bool, device=self.real.device)
-        future = torch.triu(ones, diagonal=1)
-        pad_key = ~self.real[:, None, None, :] & ~torch.eye(length, dtype=torch.bool, device=self.real.device)
-        return future[None, None] | pad_key
+    def tokens(self) -> int:
+        """Real tokens the model runs over (the packed rows less padding)."""
+        return int((self.segment != PAD_SEGMENT).sum())
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
-    """Pack [B, T] rows (T >= 2) so real tokens come first; see `PackedRows`."""
-    real = attention_mask.bool()
-    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real columns first, order kept
-    length = min(max(int(real.sum(dim=1).max()), 2), input_ids.shape[1])
-    return PackedRows(
-        input_ids=input_ids.gather(1, order)[:, :length],
-        real=real.gather(1, order)[:, :length],
-        order=order,
-    )
+def pack_shared_prefix(
+    input_ids: Tensor, attention_mask: Tensor, group_size: int = 1, max_len: int | None = None
+) -> SharedPrefixRows:
+    """Pack [B, T] rows (1 = real token in `attention_mask`, any padding) in groups of `group_size`
+    consecutive rows; `max_len` caps a packed row (default max(2 T, 512)). See the module docstring.
+    Built on the CPU (many small tensor operations); move the result with `.to(device)`."""
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size} must be >= 1")
+    rows, width = input_ids.shape
+    cap = max_len or max(2 * width, 512)
+    input_ids, real = input_ids.cpu(), attention_mask.cpu().bool()
+    seqs = [input_ids[i][real[i]] for i in range(rows)]
+    cols = [torch.nonzero(real[i]).flatten() for i in range(rows)]
+    units: list[tuple[list[int], int, list[Tensor]]] = []  # (row indices, body length, row token tensors)
+    for start in range(0, rows, group_size):
+        for sub in _split_under(list(range(start, min(start + group_size, rows))), seqs, cap):
+            members = [seqs[i] for i in sub]
+            units.append((sub, max(_common_prefix(members) - 1, 0), members))
+    length = max(2, max(_packed_len(members) for _, _, members in units))
+    g = len(units)
+    ids = torch.zeros(g, length, dtype=torch.long)
+    pos = torch.zeros(g, length, dtype=torch.long)
+    seg = torch.full((g, length), PAD_SEGMENT, dtype=torch.long)
+    tgt = torch.zeros(g, length, dtype=torch.long)
+    source = torch.full((rows, width - 1), g * length, dtype=torch.long)
+    for r, (sub, body, members) in enumerate(units):
+        first = members[0]
+        ids[r, :body], pos[r, :body], seg[r, :body] = first[:body], torch.arange(body), 0
+        tgt[r, :body] = first[1 : body + 1]
+        at = body
+        for j, (i, s) in enumerate(zip(sub, members), start=1):
+            own = len(s) - body  # this row's tokens from its copy of the last common token on
+            ids[r, at : at + own], seg[r, at : at + own] = s[body:], j
+            pos[r, at : at + own] = torch.arange(body, len(s))
+            tgt[r, at : at + own - 1] = s[body + 1 :]
+            if len(s) > 1:  # token m+1 of the row is predicted at the packed place of token m
+                place = torch.cat([torch.arange(body), at + torch.arange(own)])[: len(s) - 1]
+                source[i, cols[i][1:] - 1] = r * length + place
+            at += own
+    return SharedPrefixRows(ids, pos, seg, tgt, source)
 
 
-def unpack_next_token_values(packed: PackedRows, values: torch.Tensor, total_len: int) -> torch.Tensor:
-    """Scatter per-next-token values back to the original layout.
+def _common_prefix(seqs: list[Tensor]) -> int:
+    """Length of the longest common prefix of 1-D token tensors."""
+    limit = min(len(s) for s in seqs)
+    first = seqs[0][:limit]
+    common = limit
+    for s in seqs[1:]:
+        differ = torch.nonzero(s[:limit] != first).flatten()
+        if len(differ):
+            common = min(common, int(differ[0]))
+    return common
 
-    values [B, L-1]: values[:, j] is about predicting packed token j+1 (from packed tokens 0..j).
-    Returns [B, total_len-1] where column t holds the value for predicting original token t+1; columns whose
-    next token is padding are 0. Differentiable w.r.t. `values`.
-    """
-    b, length = packed.input_ids.shape
-    target_real = packed.real[:, 1:]  # [B, L-1]
-    # The value predicting original token order[j+1] belongs in the column just before it; values whose
-    # target is padding go to a spare column (total_len - 1) that is cut off at the end.
-    columns = torch.where(target_real, packed.order[:, 1:length] - 1, total_len - 1)
-    src = torch.where(target_real, values, torch.zeros_like(values))
-    out = torch.zeros(b, total_len, dtype=values.dtype, device=values.device)
-    return out.scatter(1, columns, src)[:, : total_len - 1]
+
+def _packed_len(members: list[Tensor]) -> int:
+    """Tokens of one packed row: the body (common prefix less its last token) and every row's own tokens."""
+    body = max(_common_prefix(members) - 1, 0)
+    return body + sum(len(s) - body for s in members)
+
+
+def _split_under(group: list[int], seqs: list[Tensor], cap: int) -> list[list[int]]:
+    """Consecutive sub-groups of `group` (not empty) whose packed length stays <= cap (a lone row may
+    exceed it)."""
+    subs = [[group[0]]]
+    for i in group[1:]:
+        trial = [*subs[-1], i]
+        if _packed_len([seqs[k] for k in trial]) <= cap:
+            subs[-1] = trial
+        else:
+            subs.append([i])
+    return subs

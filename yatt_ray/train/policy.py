@@ -17,8 +17,8 @@ import torch
 
 from yatt_ray.train.hf_convert import StateDict, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
-from yatt_ray.train.model import build_gpt_model, load_hf_weights
-from yatt_ray.train.packing import pack_rows, unpack_next_token_values
+from yatt_ray.train.model import build_gpt_model, forward_packed, load_hf_weights
+from yatt_ray.train.packing import pack_shared_prefix
 from yatt_ray.train.trainer_base import MegatronTrainerBase, write_hf_dir
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -60,16 +60,16 @@ class MegatronPolicy(MegatronTrainerBase):
 
     # ---- forward ------------------------------------------------------------------------------------------
 
-    def _forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """input_ids, attention_mask [B, T] -> (logp, entropy) [B, T-1]; column t predicts token t+1."""
-        packed = pack_rows(input_ids.to(self.device), attention_mask.to(self.device))
-        logits = model(packed.input_ids, packed.position_ids, packed.attention_mask())  # [B, L, V/tp]
-        logp, entropy = token_logprobs_and_entropy(logits[:, :-1], packed.input_ids[:, 1:], self.tp_group)
-        total = input_ids.shape[1]
-        return (
-            unpack_next_token_values(packed, logp, total),
-            unpack_next_token_values(packed, entropy, total),
-        )
+    def _forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int):
+        """input_ids, attention_mask [B, T] -> (logp, entropy) [B, T-1]; column t predicts token t+1.
+
+        Runs on the shared-prefix packing of `group_size` consecutive rows (`packing`): a group's prompt once.
+        """
+        packed = pack_shared_prefix(input_ids, attention_mask, group_size).to(self.device)
+        self.forward_tokens += packed.tokens
+        logits = forward_packed(model, packed)  # [G, L, V/tp]
+        logp, entropy = token_logprobs_and_entropy(logits, packed.targets, self.tp_group)
+        return packed.unpack(logp), packed.unpack(entropy)
 
     @torch.no_grad()
     def log_probs(
@@ -79,12 +79,14 @@ class MegatronPolicy(MegatronTrainerBase):
         micro_batch_size: int | None = None,
         reference: bool = False,
         max_tokens_per_micro_batch: int | None = None,
+        group_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log p(input_ids[:, t+1] | input_ids[:, :t+1]) and entropy, each [B, T-1] float32 (CPU).
 
         attention_mask [B, T]: 1 = real token; left or right padding. Columns whose next token is padding are 0.
         Micro-batches: `micro_batch_size` rows each, or at most `max_tokens_per_micro_batch` (rows x longest
-        real length) when that is given; rows come back in their original order either way.
+        real length) when that is given; rows come back in their original order either way. `group_size`
+        consecutive rows (a prompt's samples) are packed together, their common prefix computed once.
         `reference=True` uses the frozen reference model (built with `with_reference=True`). Call `onload()`
         first if the weights were offloaded.
         """
@@ -98,7 +100,8 @@ class MegatronPolicy(MegatronTrainerBase):
             attention_mask,
             micro_batch_size,
             max_tokens_per_micro_batch,
-            lambda ids, mask: self._forward(model, ids, mask),
+            lambda ids, mask: self._forward(model, ids, mask, group_size),
+            group_size,
         )
         return logp, entropy
 
@@ -110,6 +113,7 @@ class MegatronPolicy(MegatronTrainerBase):
         loss_fn: LossFn,
         micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
+        group_size: int = 1,
     ) -> dict:
         """One optimizer step over `batch` (rows split into micro-batches; gradients accumulate).
 
@@ -122,10 +126,10 @@ class MegatronPolicy(MegatronTrainerBase):
         """
 
         def micro_loss(micro: dict) -> tuple[torch.Tensor, dict]:
-            logp, entropy = self._forward(self.model, micro["input_ids"], micro["attention_mask"])
+            logp, entropy = self._forward(self.model, micro["input_ids"], micro["attention_mask"], group_size)
             return loss_fn(logp, entropy, micro)
 
-        return self._train_step(batch, micro_batch_size, max_tokens_per_micro_batch, micro_loss)
+        return self._train_step(batch, micro_batch_size, max_tokens_per_micro_batch, micro_loss, group_size)
 
     # ---- export -------------------------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ class MegatronTrainerBase:
         self.model = _wrap_ddp(self._build_model())
         self.optimizer = _make_adamw(self.model, lr, weight_decay, betas)
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.forward_tokens = 0  # tokens the model ran over since the last train step began (packed)
 
     # ---- what subclasses provide ---------------------------------------------------------------------------
 
@@ -94,8 +95,10 @@ class MegatronTrainerBase:
         micro_batch_size: int | None,
         max_tokens: int | None,
         forward: RowForward,
+        group_size: int = 1,
     ) -> list[torch.Tensor]:
-        """Run `forward(ids [b, T], mask [b, T]) -> tensors [b, ...]` per micro-batch, in eval mode.
+        """Run `forward(ids [b, T], mask [b, T]) -> tensors [b, ...]` per micro-batch, in eval mode; groups of
+        `group_size` consecutive rows stay in one micro-batch.
 
         Returns each output for all B rows, in the original row order, on the CPU.
         """
@@ -105,7 +108,7 @@ class MegatronTrainerBase:
         model.eval()
         batch = {"input_ids": input_ids, "attention_mask": attention_mask}
         outs: list[torch.Tensor] = []
-        for index in micro_batch_indices(attention_mask, micro_batch_size, max_tokens):
+        for index in micro_batch_indices(attention_mask, micro_batch_size, max_tokens, group_size):
             micro = select_rows(batch, rows, index, self.device)
             results = forward(micro["input_ids"], micro["attention_mask"])
             if not outs:
@@ -121,20 +124,25 @@ class MegatronTrainerBase:
         micro_batch_size: int | None,
         max_tokens: int | None,
         micro_loss: MicroLoss,
+        group_size: int = 1,
     ) -> dict:
         """One optimizer step: `micro_loss(micro_batch) -> (loss, metrics)` per micro-batch, backward each.
 
         Every tensor of `batch` with B rows is indexed per micro-batch (and moved to the device); other values
-        are passed whole. Returns {"grad_norm", "lr", **metrics}, metrics summed over micro-batches and DP ranks.
+        are passed whole; groups of `group_size` consecutive rows stay in one micro-batch. Returns
+        {"grad_norm", "lr", "forward_tokens", **metrics}, metrics summed over micro-batches and DP ranks;
+        forward_tokens counts the tokens the model ran over (packed, summed over DP ranks).
         """
         self.model.train()
         rows = batch["input_ids"].shape[0]
         totals: dict[str, float] = {}
-        for index in micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens):
+        self.forward_tokens = 0
+        for index in micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens, group_size):
             loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
             loss.backward()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+        totals["forward_tokens"] = float(self.forward_tokens)
         grad_norm = self._sync_and_clip()
         self.optimizer.step()
         self._zero_grads()

@@ -1,0 +1,68 @@
+"""Model FLOPs from a decoder's shape, the peak table, and the CPU's measured matmul rate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yatt_ray.metrics.flops import (
+    ModelFlops,
+    PerfModel,
+    causal_pairs,
+    measure_matmul_flops,
+    table_peak,
+    worker_perf_model,
+)
+from yatt_ray.train.hf_convert import LlamaShape
+
+# hidden 8, 2 layers, 2 heads of 4 (q = 8), 1 kv head (kv = 4), MLP 16, vocabulary 10
+SHAPE = LlamaShape(
+    vocab_size=10, hidden_size=8, ffn_hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+    rms_norm_eps=1e-6, rope_theta=1e4, max_positions=64, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def test_matmul_params_of_a_small_shape():
+    flops = ModelFlops.from_shape(SHAPE)
+    # per layer: q 8x8 + o 8x8 = 128, k + v 2 x 8x4 = 64, gate/up/down 3 x 8x16 = 384 -> 576; x 2 layers = 1152;
+    # the LM head 8 x 10 = 80 (tied embeddings: the lookup is no matmul, the head is)
+    assert flops.matmul_params == 1152 + 80
+    assert (flops.layers, flops.attn_width) == (2, 8)
+
+
+def test_forward_flops_by_hand():
+    flops = ModelFlops.from_shape(SHAPE)
+    # two sequences of 3 and 1 tokens: T = 4, P = 3*4/2 + 1*2/2 = 7 causal pairs
+    pairs = causal_pairs(torch.tensor([3, 1]))
+    assert pairs == 7.0
+    # 2 N T + 4 L q P = 2 * 1232 * 4 + 4 * 2 * 8 * 7
+    assert flops.forward(4, pairs) == 9856 + 448
+
+
+def test_peak_table_by_device_name_and_dtype():
+    assert table_peak("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert table_peak("NVIDIA A100-SXM4-80GB", "tf32") == 156e12
+    assert table_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert table_peak("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert table_peak("NVIDIA H200", "bf16") == 989e12
+    assert table_peak("NVIDIA L40S", "bf16") is None  # not an L4
+    assert table_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 on a V100
+
+
+def test_cpu_peak_is_measured_and_an_override_wins():
+    rate = measure_matmul_flops(threads=1, size=128, seconds=0.02)
+    assert 1e6 < rate < 1e13
+    threads = torch.get_num_threads()
+    model = worker_perf_model(SHAPE, threads=1, override=5e9)
+    assert model == PerfModel(ModelFlops.from_shape(SHAPE), 5e9, "cluster.peak_flops")
+    assert torch.get_num_threads() == threads
+    if not torch.cuda.is_available():
+        measured = worker_perf_model(SHAPE, threads=1, override=None)
+        assert measured.peak_flops is not None and measured.peak_flops > 0
+        assert measured.peak_source.startswith("measured: fp32 matmul, 1 thread")
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 2, 9]])
+def test_causal_pairs_count_what_attention_scores(lengths):
+    by_loop = sum(sum(i + 1 for i in range(t)) for t in lengths)
+    assert causal_pairs(torch.tensor(lengths)) == by_loop
