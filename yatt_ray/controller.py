@@ -260,7 +260,8 @@ class GroupController:
         greedy = None
         if self.needs_greedy:  # ReMax's baseline: one greedy response per prompt
             greedy = self.engine.generate(prompt_ids, replace(spec, n=1, temperature=0.0))
-        self._count_freed("rollout_released", self.engine.sleep())
+        if self.offload:  # full coexistence: the engine's memory goes to the trainer while it trains
+            self._count_freed("rollout_released", self.engine.sleep())
         samples = [x for i, group in enumerate(completions) for x in samples_of(i, group)]
         greedy_samples = [x for i, g in enumerate(greedy or []) for x in samples_of(i, g, tag="g")]
         flat = [c for group in completions for c in group]
@@ -386,7 +387,8 @@ class GroupController:
                 r = self.config.reward
                 for reward in score_with_rule(self.reward_fn, items, r.function, r.on_error):
                     sums += torch.tensor([reward, float(reward >= 1.0), 1.0], dtype=torch.float64)
-            self.engine.sleep()
+            if self.offload:
+                self.engine.sleep()
         if self.offload:
             self._move_trainers("onload")
         dist.all_reduce(sums)

@@ -9,6 +9,10 @@ checkpoint stores the union over all groups and the epoch number. A resumed run 
 dataset *without* those ids (the same shuffle, so the rest keeps its order), then runs full epochs. So each prompt
 is consumed once per epoch across any number of resumes, whatever the number of groups before and after.
 
+Each feed fetches one batch ahead in a background thread (`_Prefetch`), so a step's prompts are on hand when
+it starts, and the first fetch (Ray Data's cold start, seconds) overlaps the engine's and trainer's start-up.
+A batch fetched ahead is not consumed: the position changes only when `next()` hands a batch out.
+
 The splits are made inside the training workers (rank 0 builds them and sends each rank the list), not on the
 driver: after a Ray Train restart, the workers build fresh ones that know the checkpoint's consumed ids.
 """
@@ -16,6 +20,8 @@ driver: after a Ray Train restart, the workers build fresh ones that know the ch
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,13 +79,15 @@ class PromptFeed:
         self.consumed: list = list(carried or [])  # ids consumed in `epoch` (carried ones included)
         self.last_ids: list = []  # ids of the latest batch
         self._warned_ids = False
-        self._batches = self._epochs()
+        self._batches = _Prefetch(self._epochs())
 
     def __iter__(self) -> Iterator[dict]:
         return self
 
     def __next__(self) -> dict:
-        rows = next(self._batches)
+        epoch, rows = next(self._batches)
+        if epoch != self.epoch:  # the first batch of a new epoch
+            self.epoch, self.consumed = epoch, []
         ids = rows["id"].tolist()
         if -1 in ids or len(set(ids)) < len(ids):
             if not self._warned_ids:
@@ -93,18 +101,42 @@ class PromptFeed:
         self.last_ids = ids
         return rows
 
-    def _epochs(self) -> Iterator[dict]:
+    def _epochs(self) -> Iterator[tuple[int, dict]]:
+        """(epoch, batch) pairs; runs in the prefetch thread, so it changes no state of the feed."""
         shard, first = (self.rest, True) if self.rest is not None else (self.full, False)
+        epoch = self.epoch
         while True:
             empty = True
             for batch in shard.iter_batches(batch_size=self.batch_size, drop_last=True, batch_format="numpy"):
                 empty = False
-                yield batch
+                yield epoch, batch
             if empty and not first:
                 raise DataError(
                     f"this group's share of the prompt data holds fewer than {self.batch_size} rows (one step's "
                     "prompts); lower train.prompts_per_step or add data"
                 )
             shard, first = self.full, False
-            self.epoch += 1
-            self.consumed = []
+            epoch += 1
+
+
+class _Prefetch:
+    """An iterator run one item ahead in a daemon thread; its exceptions are raised to the consumer."""
+
+    def __init__(self, source: Iterator) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        threading.Thread(target=self._run, args=(source,), name="prompt-prefetch", daemon=True).start()
+
+    def _run(self, source: Iterator) -> None:
+        try:
+            for item in source:
+                self._queue.put((item, None))
+        except BaseException as exc:  # handed to the consumer's next()
+            self._queue.put((None, exc))
+        else:
+            self._queue.put((None, StopIteration()))
+
+    def __next__(self):
+        item, error = self._queue.get()
+        if error is not None:
+            raise error
+        return item

@@ -117,7 +117,7 @@ def onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b[N, K].T -> [M, N] with oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
@@ -134,7 +134,7 @@ class OneDnnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, allreduce_dgrad, tp_group):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.allreduce_dgrad, ctx.tp_group = bias is not None, allreduce_dgrad, tp_group
-        out = _mm_t(x.reshape(-1, x.shape[-1]), weight)
+        out = onednn_mm_t(x.reshape(-1, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -145,11 +145,11 @@ class OneDnnLinear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _mm_t(g, weight.t()).view(x.shape)  # strided views: oneDNN reads them as they are
+            grad_x = onednn_mm_t(g, weight.t()).view(x.shape)  # strided views: oneDNN reads them as they are
             if ctx.allreduce_dgrad:
                 torch.distributed.all_reduce(grad_x, group=ctx.tp_group)
         if ctx.needs_input_grad[1]:
-            grad_w = _mm_t(g.t(), x.reshape(-1, x.shape[-1]).t())
+            grad_w = onednn_mm_t(g.t(), x.reshape(-1, x.shape[-1]).t())
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(dim=0)
         return grad_x, grad_w, grad_b, None, None
