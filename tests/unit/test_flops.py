@@ -59,7 +59,7 @@ def test_cpu_peak_is_measured_and_an_override_wins():
     if not torch.cuda.is_available():
         measured = worker_perf_model(SHAPE, threads=1, override=None)
         assert measured.peak_flops is not None and measured.peak_flops > 0
-        assert measured.peak_source.startswith("measured: fp32 matmul, 1 thread")
+        assert measured.peak_source.startswith("measured: fp32 matmul (best of MKL, oneDNN), 1 thread")
 
 
 @pytest.mark.parametrize("lengths", [[1], [5, 2, 9]])
