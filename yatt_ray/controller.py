@@ -177,7 +177,7 @@ class GroupController:
                 self._move_trainers("onload")
         batch = self._broadcast_in_group(scored)
         with timer.phase("logprobs"):
-            self._old_log_probs_and_values(batch)
+            self._old_log_probs_and_values(batch, step)
         whiten = partial(masked_whiten, all_reduce=lambda t: dist.all_reduce(t, group=self.dp_group))
         compute_advantages(batch, cfg.algo, self.kl_ctl.value, whiten=whiten)
         with timer.phase("train"):
@@ -283,12 +283,13 @@ class GroupController:
         batch.counters = {**self.scorer.take_stats(), **self.memory}
         return batch
 
-    def _old_log_probs_and_values(self, batch: RolloutBatch) -> None:
+    def _old_log_probs_and_values(self, batch: RolloutBatch, step: int) -> None:
         """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens.
-        On-policy (`step.is_on_policy`) old_logp and the IS weights come out of the training forward."""
+        On-policy (`step.is_on_policy`) old_logp and the IS weights come out of the training forward (when the
+        policy trains this step: not during the critic's warm-up)."""
         cfg, batching = self.config, self.batching
         ids, mask = batch.input_ids, batch.attention_mask
-        if is_on_policy(cfg.algo, self.kl_ctl.value):
+        if is_on_policy(cfg.algo, self.kl_ctl.value) and self._policy_moves(step):
             batch.old_logp = None
         else:
             batch.old_logp = batch.response(self.policy.log_probs(ids, mask, **batching)[0])
