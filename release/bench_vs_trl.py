@@ -2,7 +2,7 @@
 
     python release/bench_vs_trl.py                                  # 25M model: TRL, dp_size=1, dp_size=2
     python release/bench_vs_trl.py --size 100m                      # the ~100M model (hidden 768, 12 layers)
-    python release/bench_vs_trl.py --steps 6 --only trl,dp1 --trl-venv /work/.trl-venv
+    python release/bench_vs_trl.py --steps 6 --only trl,dp1 --trl-venv ~/trl-venv     # reuse a TRL venv
     python release/bench_vs_trl.py --engines auto,hf,vllm           # also each rollout engine explicitly
     python release/bench_vs_trl.py --verify-prompts                 # check the prompts step by step against TRL's
 

@@ -121,14 +121,15 @@ def test_killed_worker_restarts_from_the_latest_checkpoint(ray_cluster, demo_cac
 def test_sigterm_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     when(lambda: bool(committed_steps(ckpt)), lambda: os.kill(os.getpid(), signal.SIGTERM))
-    first = short_run(ckpt, tmp_path, 8)
+    # 16 steps: a demo step takes well under a second, and the first commit (step 2) lands a few steps later
+    first = short_run(ckpt, tmp_path, 16)
     assert first.stopped == "SIGTERM"
     stopped_at = train_steps(first)[-1]
-    assert stopped_at < 8 and committed_steps(ckpt)[-1] == stopped_at  # saved at the step it stopped
-    second = short_run(ckpt, tmp_path, 8)
+    assert stopped_at < 16 and committed_steps(ckpt)[-1] == stopped_at  # saved at the step it stopped
+    second = short_run(ckpt, tmp_path, 16)
     assert second.metric("checkpoint/resumed_from") == [float(stopped_at)]
-    assert train_steps(second) == list(range(1, 9))
-    assert_each_prompt_once(ckpt, 8)
+    assert train_steps(second) == list(range(1, 17))
+    assert_each_prompt_once(ckpt, 16)
 
 
 def test_a_chain_of_resumes_on_changing_worker_counts_trains_each_prompt_once(

@@ -24,9 +24,13 @@ pytestmark = pytest.mark.cluster
 def judge_config(*extra: str):
     from yatt_ray.tasks.demo import demo_cache_dir, prepare_demo_judge
 
+    # one CPU per replica, as `fit()` resolves it on this 2-core machine; a plan made outside fit() would
+    # share the test cluster's 8 logical CPUs (2 each), and 2 x 2 judge threads on 2 cores starve Serve's probes
     config = yatt_ray.load_config(
-        None, ["reward.mode=genrm", "placement.mode=partial", "cluster.use_gpu=false", *extra]
-    )
+        None,
+        ["reward.mode=genrm", "placement.mode=partial", "cluster.use_gpu=false", "cluster.cpus_per_worker=1",
+         *extra],
+    )  # fmt: skip
     prepare_demo_judge(config, demo_cache_dir(config.demo) / "judge")
     return config
 

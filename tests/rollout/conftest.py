@@ -137,6 +137,23 @@ def check_stops(outs, n: int, max_new_tokens: int, stop_ids) -> tuple[int, int]:
     return counts["stop"], counts["length"]
 
 
+def check_ignore_eos(engine, prompts=PROMPTS) -> None:
+    """`engine` (loaded with weights that make EOS likely at most steps): `ignore_eos` still runs every
+    completion to max_new_tokens ("length"), EOS and the stop ids inside it; the same spec without it stops
+    early."""
+    from dataclasses import replace
+
+    from yatt_ray.rollout import SamplingSpec
+
+    base = SamplingSpec(n=3, max_new_tokens=8, seed=4, stop_token_ids=(EOS_ID, 50))
+    flat = [c for group in engine.generate(prompts, replace(base, ignore_eos=True)) for c in group]
+    assert len(flat) == 3 * len(prompts)
+    assert all(len(c.token_ids) == len(c.logprobs) == 8 and c.finish_reason == "length" for c in flat)
+    assert any(EOS_ID in c.token_ids[:-1] for c in flat), "EOS is likely: some completion must hold one"
+    stopped = [c for group in engine.generate(prompts, base) for c in group]
+    assert any(c.finish_reason == "stop" and len(c.token_ids) < 8 for c in stopped)
+
+
 def token_ids(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in group] for group in outs]
 
@@ -151,6 +168,7 @@ def ref():
         buckets = staticmethod(buckets)
         check_greedy = staticmethod(check_greedy)
         check_stops = staticmethod(check_stops)
+        check_ignore_eos = staticmethod(check_ignore_eos)
         token_ids = staticmethod(token_ids)
         prompts = PROMPTS
 
