@@ -150,13 +150,13 @@ def test_ctrl_c_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache, 
     step it stopped at, and `fit()` again continues from there."""
     ckpt = str(tmp_path / "ckpt")
     when(lambda: bool(committed_steps(ckpt)), lambda: os.kill(os.getpid(), signal.SIGINT))
-    first = short_run(ckpt, tmp_path, 8)
+    first = short_run(ckpt, tmp_path, 16)  # 16 steps: see the SIGTERM test
     assert first.stopped == "SIGINT"
     stopped_at = train_steps(first)[-1]
-    assert stopped_at < 8 and committed_steps(ckpt)[-1] == stopped_at
-    second = short_run(ckpt, tmp_path, 8)
+    assert stopped_at < 16 and committed_steps(ckpt)[-1] == stopped_at
+    second = short_run(ckpt, tmp_path, 16)
     assert second.metric("checkpoint/resumed_from") == [float(stopped_at)]
-    assert_each_prompt_once(ckpt, 8)
+    assert_each_prompt_once(ckpt, 16)
 
 
 def test_full_disk_during_a_save_keeps_training(ray_cluster, demo_cache, tmp_path, caplog):
