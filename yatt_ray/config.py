@@ -29,6 +29,9 @@ PlacementMode = Literal["full", "partial"]
 PlacementStrategy = Literal["PACK", "SPREAD"]
 AlgoName = Literal["grpo", "ppo", "rloo", "reinforce_pp", "remax"]  # each names its estimator; ppo: gae
 WandbMode = Literal["", "online", "offline", "disabled"]
+DynamicSampling = Literal["off", "reward", "accuracy"]  # DAPO's group filter: the value that must vary in a group
+BalanceMode = Literal["off", "tokens", "flops"]  # data-parallel load balancing of the train phase
+DemoTask = Literal["arithmetic", "longtail"]
 
 
 class _Section:
@@ -81,6 +84,9 @@ class RolloutConfig(_Section):
     # fixed-length generation for throughput runs: no stop at EOS (or any stop token), every completion runs
     # to max_new_tokens (finish_reason "length"); the tokens after an EOS are scored and trained on as they are
     ignore_eos: bool = False
+    # long-tail control: start ceil(over_sample x share) prompts, keep the first `share` whose samples all
+    # finish, abort the rest in the engine and serve them first next step (1.0 = off)
+    over_sample: float = 1.0
 
 
 @dataclass
@@ -165,6 +171,11 @@ class AlgoConfig(_Section):
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
     tis_cap: float | None = 2.0  # truncated importance sampling for rollout/trainer mismatch; None disables
+    # DAPO's dynamic sampling: drop prompt groups whose rewards ("reward") or correctness ("accuracy": reward
+    # >= 1) are all equal, and draw more prompts until the group's share is informative, at most max_draws
+    # draws a step (then the batch is topped up with dropped groups, with a warning and a counter)
+    dynamic_sampling: DynamicSampling = "off"
+    max_draws: int = 4
 
     @property
     def estimator(self) -> str:
@@ -200,6 +211,9 @@ class TrainConfig(_Section):
     # trainer state to host memory while generating, the engine's KV cache released while training (full
     # coexistence); None = on GPU only (on the CPU a release and re-allocation costs ~0.3 s a step for 1 GiB)
     offload_during_rollout: bool | None = None
+    # after advantages, prompt groups move between data-parallel ranks (Karmarkar-Karp, equal counts) so each
+    # rank's train cost is even: "tokens" (real tokens) or "flops" (forward+backward with the attention term)
+    balance: BalanceMode = "tokens"
 
 
 @dataclass
@@ -281,6 +295,7 @@ class CheckpointConfig(_Section):
 class DemoConfig(_Section):
     """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
 
+    task: DemoTask = "arithmetic"  # longtail: copy strings of heavy-tailed length (yatt_ray.tasks.longtail)
     sft_steps: int = 250
     judge_sft_steps: int = 400  # the demo GenRM judge (built only when reward.mode uses a GenRM)
     max_operand: int = 19
@@ -493,6 +508,8 @@ def _rollout_errors(r: RolloutConfig) -> list[str]:
         (r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1"),
         (r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0"),
         (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
+        (r.over_sample >= 1, f"rollout.over_sample={r.over_sample} must be >= 1 (1 = generate exactly the "
+         "share; 1.25 starts 25% more prompts and aborts the slowest)"),
     ])  # fmt: skip
 
 
@@ -521,6 +538,8 @@ def _algo_errors(a: AlgoConfig) -> list[str]:
         (a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1"),
         (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"algo.gamma={a.gamma} and algo.lam={a.lam} must be in [0, 1]"),
         (a.tis_cap is None or a.tis_cap >= 1, f"algo.tis_cap={a.tis_cap} must be >= 1 (or null to disable)"),
+        (a.max_draws >= 1, f"algo.max_draws={a.max_draws} must be >= 1 (draws of prompts per step with "
+         "algo.dynamic_sampling)"),
     ])  # fmt: skip
     for key, value, registry in (
         ("algo.advantage", a.estimator, ADVANTAGE_ESTIMATORS),
@@ -632,6 +651,9 @@ def _cross_section_errors(config: Config) -> list[str]:
         (0 <= c.warmup_steps < t.steps,
          f"critic.warmup_steps={c.warmup_steps} must be in [0, train.steps={t.steps}): lower "
          "critic.warmup_steps or raise train.steps"),
+        (a.dynamic_sampling == "off" or r.n >= 2,
+         f"algo.dynamic_sampling={a.dynamic_sampling!r} filters groups whose samples all score the same, which "
+         f"every group of rollout.n={r.n} does; set rollout.n >= 2 or algo.dynamic_sampling=off"),
         (not bad_exports, f"checkpoint.export_hf_steps={bad_exports} must be steps in [1, train.steps={t.steps}]"),
     ])  # fmt: skip
     if a.estimator in ADVANTAGE_ESTIMATORS:
