@@ -33,6 +33,7 @@ from yatt_ray.algos import (
 from yatt_ray.batch import RolloutBatch, pack
 from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.config import Config
+from yatt_ray.draws import MAX_ABORTS, Group, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
@@ -94,6 +95,7 @@ class GroupController:
         # partial coexistence: each prompt's samples go to the GenRM as soon as they finish generating
         self.stream_to_genrm = config.reward.mode != "rule" and config.placement.mode == "partial"
         self.prompt_feed: Any = None  # set by open_checkpoints (controller ranks)
+        self.step_rows: list = []  # the prompt rows this step consumed (trained on, or dropped)
         self.resumed: Resumed | None = None
         if layout.is_controller:
             engine, scorer, tokenizer, reward_fn = (
@@ -123,14 +125,14 @@ class GroupController:
         if self.resumed is not None:
             self.kl_ctl.value = self.resumed.kl_coef
             self.sync_weights()  # the rollout engine generates with the restored policy
-        epoch, consumed = (self.resumed.epoch, self.resumed.consumed) if self.resumed else (0, [])
+        epoch, position = (self.resumed.epoch, self.resumed.position) if self.resumed else (0, {})
         dataset = loop_config["train_dataset"]
-        splits = share_splits(open_splits(dataset, self.layout.dp_size, consumed) if rank0 else None)
+        splits = share_splits(open_splits(dataset, self.layout.dp_size, position) if rank0 else None)
         self.attempt = self.checkpoints.attempt_number()
         if self.layout.is_controller:
             dp = self.layout.dp_rank
-            rest = splits["rest"][dp] if splits["rest"] is not None else None
-            carried = consumed if dp == 0 else []  # the checkpoint's union, kept by one group
+            rest = [(e, rest_splits[dp]) for e, rest_splits in splits["rest"]]
+            carried = position if dp == 0 else {}  # the checkpoint's union, kept by one group
             self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
             self.state.feed = self.prompt_feed
 
@@ -148,8 +150,10 @@ class GroupController:
             last = self.step(step)
             self._push("train", {**last, **self.checkpoints.metrics()})
             if self.layout.is_controller:
-                feed = self.prompt_feed
-                self.checkpoints.log_prompts(step, self.attempt, feed.last_ids, feed.epoch)
+                rows = self.step_rows
+                self.checkpoints.log_prompts(
+                    step, self.attempt, [r.id for r in rows], [r.epoch for r in rows]
+                )
             if self.checkpoints.after_step(step, self.state):
                 break  # asked to stop: the checkpoint of this step is committed
         final_eval = self.evaluate() if self.checkpoints.stop_reason is None else {}
@@ -168,10 +172,10 @@ class GroupController:
         if self.offload:
             with timer.phase("offload"):
                 self._move_trainers("offload")
-        with timer.phase("rollout", busy=self.layout.is_controller):
-            rollout = self._rollout(step) if self.layout.is_controller else None
-        with timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
-            scored = self._score(*rollout) if rollout is not None else None
+        scored = self._collect(step) if self.layout.is_controller else None
+        if not self.layout.is_controller:  # the group's controller generates; this rank waits for its batch
+            with timer.phase("rollout", busy=False), timer.phase("reward", busy=False):
+                pass
         if self.offload:
             with timer.phase("offload"):
                 self._move_trainers("onload")
@@ -220,67 +224,173 @@ class GroupController:
         """False during the critic's warm-up steps, when only the value model trains."""
         return step > self.config.critic.warmup_steps
 
-    def _rollout(self, step: int) -> tuple[RolloutBatch, list[Sample], list[Sample]]:
-        """Generate the group's samples; returns the batch and what scoring needs (samples, greedy samples).
+    # ---- the rollout phase: draws, abort, dynamic sampling (pure pieces in yatt_ray.draws) ------------------
+    def _collect(self, step: int) -> RolloutBatch:
+        """Draw, generate and score until the group holds its share of prompt groups; the scored batch.
 
-        In partial coexistence each prompt's samples are sent to the GenRM as soon as they are generated.
+        Every draw starts `ceil(rollout.over_sample x need)` prompts (queue first, then the stream) and keeps
+        the first `need` to finish; the rest go back to the queue unconsumed. With `algo.dynamic_sampling`,
+        groups whose samples all score the same are dropped (consumed) and the group draws again, at most
+        `algo.max_draws` times; then the batch is topped up with dropped groups. Collective over the
+        controllers (`_lockstep`): every group reads its stream in lockstep (see `yatt_ray.data.feed`).
         """
-        cfg = self.config
-        rows = next(self.prompt_feed)
-        encoded = [self.tokenizer(str(p))["input_ids"] for p in rows["prompt"]]
-        prompt_ids = [self._clip_prompt(ids) for ids in encoded]
-        spec = SamplingSpec(
-            n=cfg.rollout.n,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            stop_token_ids=self.stop_ids,
-            ignore_eos=cfg.rollout.ignore_eos,
+        cfg, feed, share = self.config, self.prompt_feed, self.prompts_per_group
+        dynamic, max_draws = (
+            cfg.algo.dynamic_sampling,
+            cfg.algo.max_draws if cfg.algo.dynamic_sampling != "off" else 1,
         )
-
-        def samples_of(i: int, group: list, tag: str = "") -> list[Sample]:
-            return [
-                Sample(
-                    key=f"{step}/{self.layout.dp_rank}/{tag}{i * len(group) + j}",
-                    prompt=str(rows["prompt"][i]),
-                    response=self._decode(c.token_ids),
-                    ground_truth=str(rows["ground_truth"][i]),
-                    data_source=str(rows["data_source"][i]),
-                )
-                for j, c in enumerate(group)
-            ]
-
-        def stream(i: int, group: list) -> None:
-            self.scorer.submit(samples_of(i, group))
-
+        kept: list[Group] = []
+        dropped: list[Group] = []
+        self.step_rows = []
+        counts = {"draws": 0, "requeued": 0}
         self.engine.wake()
-        completions = self.engine.generate(
-            prompt_ids, spec, on_finished=stream if self.stream_to_genrm else None
-        )
-        greedy = None
-        if self.needs_greedy:  # ReMax's baseline: one greedy response per prompt
-            greedy = self.engine.generate(prompt_ids, replace(spec, n=1, temperature=0.0))
+        while True:
+            need = share - len(kept) if counts["draws"] < max_draws else 0
+            want = prompts_to_start(need, cfg.rollout.over_sample)
+            if not self._lockstep(feed, want, need):
+                break
+            if need == 0:
+                continue  # this group is full; it reads its stream with the others
+            counts["draws"] += 1
+            rows = feed.pop(want)
+            with self.timer.phase("rollout"):
+                groups, back = self._generate(step, counts["draws"], rows, need)
+            if back:
+                with self.recorder.span("aborted", busy=False):
+                    feed.requeue(back)
+                counts["requeued"] += len(back)
+            with self.timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
+                self._score_groups(groups)
+            feed.consume([g.row for g in groups])
+            self.step_rows += [g.row for g in groups]
+            for g in groups:
+                (kept if dynamic == "off" or is_informative(g.rewards, dynamic) else dropped).append(g)
+        informative = len(kept)
+        if informative < share:
+            log.warning(
+                "dynamic sampling: %d of %d prompt groups varied after algo.max_draws=%d draws; topping the batch "
+                "up with %d uniform groups (raise algo.max_draws, or check the reward)",
+                informative, share, max_draws, share - informative,
+            )  # fmt: skip
+        groups = top_up(kept, dropped, share)
+        greedy = self._greedy_baseline(step, groups) if self.needs_greedy else None
         if self.offload:  # full coexistence: the engine's memory goes to the trainer while it trains
             self._count_freed("rollout_released", self.engine.sleep())
-        samples = [x for i, group in enumerate(completions) for x in samples_of(i, group)]
-        greedy_samples = [x for i, g in enumerate(greedy or []) for x in samples_of(i, g, tag="g")]
-        flat = [c for group in completions for c in group]
-        prompts = [p for p in prompt_ids for _ in range(cfg.rollout.n)]
-        batch = pack(
-            prompts, [c.token_ids for c in flat], [c.logprobs for c in flat], self.pad_id, cfg.rollout.n
-        )
-        batch.truncated = sum(c.finish_reason == "length" for c in flat)
-        batch.prompts_clipped = sum(len(ids) > self.config.data.max_prompt_tokens for ids in encoded)
-        return batch, samples, greedy_samples
+        batch = self._pack(groups)
+        batch.greedy_rewards = greedy
+        batch.counters = {
+            **self.scorer.take_stats(),
+            **self.memory,
+            "rollout/requeued_prompts": float(counts["requeued"]),
+            "data/queued_prompts": float(len(feed.queue)),
+        }
+        if dynamic != "off":
+            batch.counters.update({
+                "dynamic/draws": float(counts["draws"]),
+                "dynamic/drawn_groups": float(len(kept) + len(dropped)),
+                "dynamic/dropped_groups": float(len(dropped)),
+                "dynamic/batch_full": float(informative >= share),
+            })  # fmt: skip
+        return batch
 
-    def _score(self, batch: RolloutBatch, samples: list[Sample], greedy: list[Sample]) -> RolloutBatch:
-        """Rewards for every sample (and the greedy responses when the estimator needs them): rules here,
-        GenRM verdicts from the Serve deployment (already judging in partial coexistence)."""
-        self.scorer.submit(greedy if self.stream_to_genrm else samples + greedy)
-        batch.rewards = torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
-        if greedy:
-            batch.greedy_rewards = torch.tensor(self.scorer.scores(greedy), dtype=torch.float32)
-        batch.counters = {**self.scorer.take_stats(), **self.memory}
+    def _lockstep(self, feed, want: int, need: int) -> bool:
+        """Every controller reads the same number of rows from its stream (the most any needs beyond its queue)
+        and learns whether any group still needs prompts; collective over the controllers."""
+        wanted = torch.tensor([max(want - len(feed.queue), 0), need], dtype=torch.float64)
+        if self.layout.dp_size > 1:
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.dp_group)
+        feed.pull(int(wanted[0].item()))
+        return wanted[1].item() > 0
+
+    def _generate(self, step: int, draw: int, rows: list, need: int) -> tuple[list[Group], list]:
+        """Start `rows`, keep the first `need` to finish (the rest aborted); (kept groups in finish order, rows
+        to requeue). In partial coexistence the kept groups stream to the GenRM as they finish."""
+        cfg = self.config
+        encoded = [self.tokenizer(str(r.row["prompt"]))["input_ids"] for r in rows]
+        prompt_ids = [self._clip_prompt(ids) for ids in encoded]
+        spec = self._spec()
+        order: list[int] = []
+
+        def samples_of(i: int, completions: list) -> list[Sample]:
+            row = rows[i].row
+            return [
+                Sample(
+                    key=f"{step}/{self.layout.dp_rank}/{draw}/{i * spec.n + j}",
+                    prompt=str(row["prompt"]),
+                    response=self._decode(c.token_ids),
+                    ground_truth=str(row["ground_truth"]),
+                    data_source=str(row["data_source"]),
+                )
+                for j, c in enumerate(completions)
+            ]
+
+        def finished(i: int, completions: list) -> None:
+            order.append(i)
+            if self.stream_to_genrm and (len(order) <= need or i in pinned):
+                self.scorer.submit(samples_of(i, completions))
+
+        pinned = frozenset(i for i, r in enumerate(rows) if r.aborts >= MAX_ABORTS)
+        abort = need < len(rows) and not pinned  # a pinned prompt is waited for: no abort in this draw
+        streamed = need < len(rows) or self.stream_to_genrm
+        completions = self.engine.generate(
+            prompt_ids, spec, on_finished=finished if streamed else None, finish_after=need if abort else None
+        )
+        kept, back = split_finished(order if streamed else list(range(len(rows))), len(rows), need, pinned)
+        groups = [
+            Group(rows[i], prompt_ids[i], len(encoded[i]) > cfg.data.max_prompt_tokens, completions[i],
+                  samples_of(i, completions[i]))
+            for i in kept
+        ]  # fmt: skip
+        return groups, [rows[i] for i in back]
+
+    def _score_groups(self, groups: list[Group]) -> None:
+        """Rewards of every sample: rules here, GenRM verdicts from the Serve deployment (already judging the
+        streamed samples in partial coexistence)."""
+        samples = [s for g in groups for s in g.samples]
+        if not self.stream_to_genrm:
+            self.scorer.submit(samples)
+        scores = iter(self.scorer.scores(samples))
+        for g in groups:
+            g.rewards = [next(scores) for _ in g.samples]
+
+    def _greedy_baseline(self, step: int, groups: list[Group]) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt, [len(groups)]."""
+        with self.timer.phase("rollout"):
+            outs = self.engine.generate(
+                [g.prompt_ids for g in groups], replace(self._spec(), n=1, temperature=0.0)
+            )
+        samples = [
+            replace(
+                g.samples[0],
+                key=f"{step}/{self.layout.dp_rank}/g{i}",
+                response=self._decode(out[0].token_ids),
+            )
+            for i, (g, out) in enumerate(zip(groups, outs))
+        ]
+        with self.timer.phase("reward", busy=False):
+            self.scorer.submit(samples)
+            return torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
+
+    def _spec(self) -> SamplingSpec:
+        r = self.config.rollout
+        return SamplingSpec(
+            n=r.n,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop_token_ids=self.stop_ids,
+            ignore_eos=r.ignore_eos,
+        )
+
+    def _pack(self, groups: list[Group]) -> RolloutBatch:
+        """The padded batch of the groups' samples, with their rewards."""
+        n = self.config.rollout.n
+        flat = [c for g in groups for c in g.completions]
+        prompts = [g.prompt_ids for g in groups for _ in range(n)]
+        batch = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat], self.pad_id, n)
+        batch.rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        batch.truncated = sum(c.finish_reason == "length" for c in flat)
+        batch.prompts_clipped = sum(g.clipped for g in groups)
         return batch
 
     def _old_log_probs_and_values(self, batch: RolloutBatch, step: int) -> None:

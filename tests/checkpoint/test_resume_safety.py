@@ -27,7 +27,7 @@ class FakeShard:
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids
 
-    def iter_batches(self, batch_size: int, drop_last: bool, batch_format: str):
+    def iter_batches(self, batch_size: int, batch_format: str, drop_last: bool = False):
         import numpy as np
 
         for i in range(0, len(self.ids) - batch_size + 1, batch_size):
@@ -39,13 +39,14 @@ def test_carried_ids_stay_in_the_position_until_the_epoch_ends():
     the next checkpoint forgot every prompt trained before the first resume); a new epoch starts empty."""
     full = FakeShard(list(range(12)))
     rest = FakeShard([4, 5, 6, 7, 8, 9, 10, 11])  # ids 0-3 were consumed before the resume
-    feed = PromptFeed(full, rest, batch_size=4, epoch=0, carried=[0, 1, 2, 3])
+    feed = PromptFeed(full, [(0, rest)], batch_size=4, epoch=0, carried={0: [0, 1, 2, 3]})
     next(feed)
-    assert sorted(feed.consumed) == list(range(8)) and feed.epoch == 0
+    assert sorted(feed.consumed[0]) == list(range(8)) and feed.epoch == 0
     next(feed)
-    assert sorted(feed.consumed) == list(range(12))
+    assert sorted(feed.consumed[0]) == list(range(12))
     next(feed)  # epoch 1 begins with the full shard
-    assert feed.epoch == 1 and feed.consumed == [0, 1, 2, 3]
+    assert feed.epoch == 1 and feed.consumed[1] == [0, 1, 2, 3] and feed.open_epoch() == 1
+    assert feed.position(since=1) == {1: [0, 1, 2, 3]}
 
 
 class Exploit:

@@ -57,11 +57,20 @@ class FakeEngine:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
 
-    def generate(self, prompts, spec, on_finished=None):
+    def generate(self, prompts, spec, on_finished=None, finish_after=None):
+        """Without `finish_after`, every prompt in order; with it, the last prompts finish first (the long tail
+        is at the front) and the engine stops after `finish_after` of them, the rest aborted (None)."""
         self.log.append("generate")
-        groups = [
+        groups: list = [
             [Completion(self._ids(str(3 + j)), [-0.5, -0.5], "stop") for j in range(spec.n)] for _ in prompts
         ]
+        order = list(range(len(prompts)))
+        if finish_after is not None:
+            order = order[::-1][:finish_after]
+            groups = [g if i in order else None for i, g in enumerate(groups)]
+        for i in order:
+            if on_finished is not None:
+                on_finished(i, groups[i])
         return groups
 
     def wake(self) -> None:
@@ -97,13 +106,15 @@ class Shard:
     def __init__(self, rows: dict) -> None:
         self.rows = rows
 
-    def iter_batches(self, batch_size: int, drop_last: bool, batch_format: str):
+    def iter_batches(self, batch_size: int, batch_format: str, drop_last: bool = False):
         n = len(self.rows["id"])
         for i in range(0, n - batch_size + 1, batch_size):
             yield {k: np.asarray(v[i : i + batch_size]) for k, v in self.rows.items()}
 
 
-def controller(**overrides) -> tuple[GroupController, list, FakePolicy, FakeEngine, FakeLink]:
+def controller(answers=None, **overrides) -> tuple[GroupController, list, FakePolicy, FakeEngine, FakeLink]:
+    """A controller over 16 prompts "1+2=" whose ground truths are `answers` (default "3", "4", ...); samples
+    answer "3" and "4", so a group of ground truth "5" scores 0 on both (uniform: dynamic sampling drops it)."""
     over = [
         "train.prompts_per_step=4",
         f"rollout.n={N_SAMPLES}",
@@ -120,10 +131,10 @@ def controller(**overrides) -> tuple[GroupController, list, FakePolicy, FakeEngi
     )
     ctrl = GroupController(config, Layout(rank=0, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1), roles)
     rows = {
-        "id": list(range(8)),
-        "prompt": ["1+2="] * 8,
-        "ground_truth": ["3", "4"] * 4,
-        "data_source": ["t"] * 8,
+        "id": list(range(16)),
+        "prompt": ["1+2="] * 16,
+        "ground_truth": answers or ["3", "4"] * 8,
+        "data_source": ["t"] * 16,
     }
     ctrl.prompt_feed = PromptFeed(Shard(rows), None, batch_size=4)
     return ctrl, log, policy, engine, link
@@ -144,7 +155,7 @@ def test_one_step_runs_the_phases_in_order_and_reduces_the_metrics(single_proces
     # engine -0.5 per token against the trainer's -1: |diff| 0.5; k3 KL of old -1 vs ref -1.1 per token
     assert metrics["rollout_logp_diff"] == pytest.approx(0.5)  # the training forward's log-probs, recorded
     assert metrics["kl"] == pytest.approx(float(torch.exp(torch.tensor(-0.1)) - 1 + 0.1), rel=1e-5)
-    assert ctrl.prompt_feed.consumed == [0, 1, 2, 3]
+    assert ctrl.prompt_feed.consumed == {0: [0, 1, 2, 3]}
 
 
 def test_each_phase_adds_its_batch_fields(single_process_world):
@@ -171,3 +182,43 @@ def test_without_kl_there_is_no_reference_pass_and_no_kl_metric(single_process_w
     assert "ref_logp" not in log and "old_logp" not in log and "kl" not in metrics
     assert policy.batches[0]["row"].tolist() == list(range(8))  # where the training forward's log-probs go
     assert "ref_logp" not in policy.batches[0] and "tis_weights" not in policy.batches[0]
+
+
+def test_dynamic_sampling_draws_again_for_the_groups_it_drops(single_process_world):
+    answers = ["3", "5", "5", "4"] + ["3", "4"] * 6  # prompts 1 and 2: both samples wrong (uniform)
+    ctrl, log, policy, _, link = controller(answers, **{"algo.dynamic_sampling": "reward"})
+    metrics = ctrl.step(1)
+    assert log.count("generate") == 2  # 4 prompts, then 2 more for the 2 dropped
+    assert [r.id for r in ctrl.step_rows] == [0, 1, 2, 3, 4, 5]  # dropped ones count as consumed
+    assert ctrl.prompt_feed.consumed == {0: [0, 1, 2, 3, 4, 5]}
+    assert policy.batches[0]["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]  # 0, 3, 4, 5
+    assert metrics["dynamic/draws"] == 2 and metrics["dynamic/dropped_groups"] == 2
+    assert metrics["dynamic/drawn_groups"] == 6 and metrics["dynamic/batch_full"] == 1.0
+    assert [s.phase for s in link.spans][:4] == ["rollout", "reward", "rollout", "reward"]
+
+
+def test_dynamic_sampling_tops_up_when_the_draws_run_out(single_process_world, caplog):
+    ctrl, log, policy, _, _ = controller(
+        ["5"] * 16, **{"algo.dynamic_sampling": "accuracy", "algo.max_draws": 2}
+    )
+    metrics = ctrl.step(1)
+    assert log.count("generate") == 2 and "topping the batch up" in caplog.text
+    assert len(policy.batches[0]["rewards"]) == 8  # a full batch of (uniform) groups
+    assert metrics["dynamic/batch_full"] == 0.0 and metrics["dynamic/dropped_groups"] == 8
+    assert sorted(ctrl.prompt_feed.consumed[0]) == list(range(8))
+
+
+def test_over_sampling_aborts_the_slowest_and_serves_them_first_next_step(single_process_world):
+    ctrl, log, policy, _, _ = controller(**{"rollout.over_sample": 1.5})
+    metrics = ctrl.step(1)  # starts 6 prompts (ids 0-5); 5, 4, 3, 2 finish first; 0 and 1 are aborted
+    assert sorted(r.id for r in ctrl.step_rows) == [2, 3, 4, 5]
+    assert ctrl.prompt_feed.consumed == {0: [5, 4, 3, 2]} and [r.id for r in ctrl.prompt_feed.queue] == [0, 1]
+    assert metrics["rollout/requeued_prompts"] == 2 and metrics["data/queued_prompts"] == 2
+    assert len(policy.batches[0]["rewards"]) == 8  # exactly the share trained
+    ctrl.step(2)  # starts 0, 1 (queued) and 6-9; keeps 9, 8, 7, 6; 0 and 1 go back again
+    assert sorted(r.id for r in ctrl.step_rows) == [6, 7, 8, 9] and [
+        r.id for r in ctrl.prompt_feed.queue
+    ] == [0, 1]
+    ctrl.step(3)  # aborted twice: 0 and 1 are waited for (no abort) and kept, with the first two others
+    assert sorted(r.id for r in ctrl.step_rows) == [0, 1, 10, 11]
+    assert [r.id for r in ctrl.prompt_feed.queue] == [12, 13] and log.count("generate") == 3

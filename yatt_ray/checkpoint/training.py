@@ -39,9 +39,28 @@ from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
 log = logging.getLogger("yatt_ray.checkpoint")
 
 RUN_FORMAT = "yatt_ray.run/2"  # /2: run state as JSON (run.json), tensors read with weights_only=True
-RUN_ENTRY = "run.json"  # step, epoch, consumed prompt ids, metrics history, KL coefficient
+RUN_ENTRY = "run.json"  # step, data position (epoch, consumed ids by epoch), metrics history, KL coefficient
 _NO_RETENTION = 2**31 - 1  # rank stores keep everything; rank 0 prunes them after the run's retention
 _STEP_RE = re.compile(r"step_(\d{8,})/?$")
+
+
+def merge_positions(groups: list[tuple[int, dict[int, list]]]) -> tuple[int, dict[int, list]]:
+    """The run's data position from each group's (open epoch, consumed ids by epoch): the oldest open epoch and,
+    for it and every later epoch, the sorted union of the ids consumed in it (older epochs are finished)."""
+    floor = min(open_epoch for open_epoch, _ in groups)
+    merged: dict[int, set] = {}
+    for _, position in groups:
+        for epoch, ids in position.items():
+            if epoch >= floor:
+                merged.setdefault(epoch, set()).update(ids)
+    return floor, {e: sorted(merged[e]) for e in sorted(merged)}
+
+
+def run_position(run: dict) -> dict[int, list]:
+    """The position stored in a run state (run.json); one written before "position" existed holds one epoch."""
+    if "position" in run:
+        return {int(e): list(ids) for e, ids in run["position"].items()}
+    return {int(run["epoch"]): list(run["consumed"])} if run["consumed"] else {}
 
 
 def rank_url(root: str, rank: int) -> str:
@@ -53,7 +72,7 @@ class TrainState:
     """What one worker's checkpoint holds of its training, and where a resume puts it back.
 
     `policy` / `critic`: `MegatronTrainerBase` (model and optimizer); `feed`: the controller's `PromptFeed`
-    (None on other ranks; its epoch and consumed ids are the data position); `kl_coef`: the KL coefficient now
+    (None on other ranks; its consumed ids by epoch are the data position); `kl_coef`: the KL coefficient now
     (read at each save)."""
 
     policy: Any
@@ -68,8 +87,8 @@ class Resumed:
     coefficient and syncs the rollout engine's weights."""
 
     step: int
-    epoch: int
-    consumed: list
+    epoch: int  # the oldest epoch some group had not finished
+    position: dict[int, list]  # epoch -> consumed prompt ids, for `epoch` and later ones
     kl_coef: float
     history: list[MetricRow] = field(default_factory=list)
     source: str = ""
@@ -169,9 +188,7 @@ class TrainingCheckpoints:
         run = entries(0, [RUN_ENTRY])[RUN_ENTRY]
         if self.layout.rank < meta["world_size"]:
             set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
-        return Resumed(
-            step, int(run["epoch"]), list(run["consumed"]), float(run["kl"]), _rows(run["history"]), root
-        )
+        return Resumed(step, int(run["epoch"]), run_position(run), float(run["kl"]), _rows(run["history"]), root)
 
     def _drop_newer(self, step: int) -> None:
         """Remove this run's checkpoints after `step` (a dead attempt's, or damaged): the redone steps replace
@@ -352,21 +369,22 @@ class TrainingCheckpoints:
 
     def _payload(self, step: int, state: TrainState) -> dict[str, Any]:
         feed = state.feed
-        ids = feed.consumed if feed is not None else []
+        mine = (feed.open_epoch(), feed.position(0)) if feed is not None else None
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
-        dist.gather_object(ids, gathered, dst=0)
+        dist.gather_object(mine, gathered, dst=0)
         payload: dict[str, Any] = {"rng": rng_state()}
         if self.layout.dp_rank == 0:
             payload["policy"] = trainer_state(state.policy)
             if state.critic is not None:
                 payload["critic"] = trainer_state(state.critic)
         if self.layout.rank == 0:
-            assert gathered is not None and feed is not None
-            consumed = sorted({i for part in gathered for i in part})
+            assert gathered is not None
+            epoch, position = merge_positions([g for g in gathered if g is not None])
             payload[RUN_ENTRY] = {
                 "step": step,
-                "epoch": feed.epoch,
-                "consumed": consumed,
+                "epoch": epoch,
+                "consumed": position.get(epoch, []),
+                "position": {str(e): ids for e, ids in position.items()},
                 "history": self._history(),
                 "kl": float(state.kl_coef()),
             }
@@ -398,8 +416,9 @@ class TrainingCheckpoints:
             return None
 
     # ---- prompt audit log ----------------------------------------------------------------------------------
-    def log_prompts(self, step: int, attempt: int, ids: list, epoch: int) -> None:
-        """With `checkpoint.log_prompt_ids`: this controller's prompt ids of `step` as one small JSON file.
+    def log_prompts(self, step: int, attempt: int, ids: list, epochs: list[int]) -> None:
+        """With `checkpoint.log_prompt_ids`: this controller's prompt ids of `step` (those it consumed: trained
+        on, or drawn and dropped by dynamic sampling) and each one's epoch, as one small JSON file.
 
         A record that cannot be written (the store is down) is kept and written with the next one, so an
         outage of the store leaves no hole in the audit once it is back."""
@@ -412,7 +431,7 @@ class TrainingCheckpoints:
             "attempt": attempt,
             "session": self.session,
             "base": self.agreed_at_start,
-            "epoch": epoch,
+            "epochs": epochs,
             "ids": ids,
             "t": time.time(),
         }

@@ -1,17 +1,25 @@
-"""The data position: which prompts this epoch has consumed, and streams that skip them after a resume.
+"""The data position: which prompts each epoch has consumed, and streams that skip them after a resume.
 
-Ray Data's `streaming_split` iterators cannot seek, so the position is kept as a set of prompt ids.
+Ray Data's `streaming_split` iterators cannot seek, so the position is kept as prompt ids, per epoch.
 
 Epoch semantics: an epoch is one pass over the (shuffled) dataset, split evenly over the data-parallel groups
-(`equal=True`: up to dp-1 rows may be left out; each group also leaves out the rows short of a full step at the
-end of its share). Every controller records the ids of the prompts it trains on in the current epoch; a
-checkpoint stores the union over all groups and the epoch number. A resumed run first finishes that epoch on the
-dataset *without* those ids (the same shuffle, so the rest keeps its order), then runs full epochs. So each prompt
-is consumed once per epoch across any number of resumes, whatever the number of groups before and after.
+(`equal=True`: up to dp-1 rows may be left out). A step may take the last rows of one epoch and the first of the
+next. Every controller records the ids of the prompts it consumes, by epoch: the prompts it trains on and the
+ones dynamic sampling drew and dropped. Prompts started and then aborted (over-sampling) are not consumed: they
+go back to the front of the group's queue. A checkpoint stores, for every epoch some group has not finished
+(the oldest one a group still reads, holds in its queue, or its stream is in), the union of the ids consumed in
+it. A resumed run first reads those epochs again *without* their ids (the same shuffle, so the rest keeps its
+order), oldest first, then full epochs. So each prompt is consumed once per epoch across any number of resumes,
+whatever the number of groups before and after; what sat in a queue (not consumed) is read again.
+
+Lockstep: a `streaming_split` starts its next epoch only once every split has asked for it, so a group that
+reads further than another would wait for it at the epoch's end while the other waits in a collective of the
+step. The groups therefore read their streams in lockstep (`pull(k)` with the same k on every group; the
+controller agrees k with an all-reduce) and keep what they do not start yet in their queue.
 
 Each feed fetches one batch ahead in a background thread (`_Prefetch`), so a step's prompts are on hand when
 it starts, and the first fetch (Ray Data's cold start, seconds) overlaps the engine's and trainer's start-up.
-A batch fetched ahead is not consumed: the position changes only when `next()` hands a batch out.
+Rows fetched ahead are not consumed: the position changes only through `consume`.
 
 The splits are made inside the training workers (rank 0 builds them and sends each rank the list), not on the
 driver: after a Ray Train restart, the workers build fresh ones that know the checkpoint's consumed ids.
@@ -22,7 +30,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +41,35 @@ import torch.distributed as dist
 from yatt_ray.errors import DataError
 
 log = logging.getLogger(__name__)
+
+Position = dict[int, list]  # epoch -> prompt ids consumed in it (the epochs not finished by every group)
+
+
+@dataclass(frozen=True)
+class FeedRow:
+    """One prompt row (column -> value), the epoch it was read in, and how often it was aborted."""
+
+    epoch: int
+    row: dict[str, Any]
+    aborts: int = 0
+
+    @property
+    def id(self) -> Any:
+        value = self.row["id"]
+        return value.item() if isinstance(value, np.generic) else value
+
+
+def columns(rows: list[FeedRow]) -> dict[str, np.ndarray]:
+    """Rows as a numpy batch (column -> array), the form Ray Data hands out."""
+    if not rows:
+        return {}
+    return {key: _stack([r.row[key] for r in rows]) for key in rows[0].row}
+
+
+def _stack(values: list) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out if any(isinstance(v, np.ndarray) for v in values) else np.asarray(values)
 
 
 class ExcludeIds:
@@ -44,14 +83,17 @@ class ExcludeIds:
         return {k: v[keep] for k, v in batch.items()}
 
 
-def open_splits(dataset, dp_size: int, consumed: list) -> dict[str, Any]:
-    """On rank 0: {"full": splits of the dataset, "rest": splits without `consumed` (None when empty)}; each a
-    list with one iterator per data-parallel group."""
-    splits: dict[str, Any] = {"full": dataset.streaming_split(dp_size, equal=True), "rest": None}
-    if consumed:
-        rest = dataset.map_batches(ExcludeIds(consumed), batch_format="numpy")
-        splits["rest"] = rest.streaming_split(dp_size, equal=True)
-    return splits
+def open_splits(dataset, dp_size: int, position: Position) -> dict[str, Any]:
+    """On rank 0: {"full": splits of the dataset, "rest": [(epoch, splits without that epoch's consumed ids)],
+    oldest epoch first}; each splits value a list with one iterator per data-parallel group."""
+    rest = [
+        (
+            epoch,
+            dataset.map_batches(ExcludeIds(ids), batch_format="numpy").streaming_split(dp_size, equal=True),
+        )
+        for epoch, ids in sorted(position.items())
+    ]
+    return {"full": dataset.streaming_split(dp_size, equal=True), "rest": rest}
 
 
 def share_splits(splits: dict[str, Any] | None) -> dict[str, Any]:
@@ -63,32 +105,53 @@ def share_splits(splits: dict[str, Any] | None) -> dict[str, Any]:
 
 
 class PromptFeed:
-    """Batches of one group's prompt rows, epoch after epoch, recording the ids consumed in this epoch.
+    """One group's prompt rows, epoch after epoch: a queue in front of its stream, and the ids it consumed.
 
-    `rest` (an iterator over the current epoch's unconsumed rows) serves first when given; then `full` serves
-    whole epochs. Each ``next()`` returns a numpy batch of `batch_size` rows and records its ids.
-
-    `carried`: ids a resumed checkpoint had already consumed in `epoch` (give them to one group only). They stay
-    part of this epoch's position, so the next checkpoint stores them again beside the new ones: without them a
-    second resume would forget every prompt trained before the first one and train it again in the same epoch.
+    - `rest`: [(epoch, iterator over that epoch's unconsumed rows)], read first, in order; then `full` serves
+      whole epochs, numbered from one past the last `rest` epoch (from `epoch` without any).
+    - `pull(k)` reads k rows from the stream to the back of the queue; `pop(k)` takes up to k from its front;
+      `requeue(rows)` puts rows back at the front (aborted prompts: served first next time); `consume(rows)`
+      records their ids in the position. `next(feed)` is all four for a step of `batch_size` rows.
+    - `carried`: the position a resumed checkpoint had already consumed (give it to one group only). It stays
+      part of this feed's position, so the next checkpoint stores it again beside the new ids: without it a
+      second resume would forget every prompt trained before the first one and train it again in the epoch.
     """
 
-    def __init__(self, full, rest, batch_size: int, epoch: int = 0, carried: list | None = None) -> None:
-        self.full, self.rest, self.batch_size = full, rest, batch_size
-        self.epoch = epoch
-        self.consumed: list = list(carried or [])  # ids consumed in `epoch` (carried ones included)
-        self.last_ids: list = []  # ids of the latest batch
+    def __init__(self, full, rest, batch_size: int, epoch: int = 0, carried: Position | None = None) -> None:
+        self.full, self.rest, self.batch_size = full, list(rest or []), batch_size
+        self.first_full_epoch = self.rest[-1][0] + 1 if self.rest else epoch
+        self.consumed: Position = {e: list(ids) for e, ids in (carried or {}).items()}
+        self.queue: deque[FeedRow] = deque()
+        self.last_ids: list = []  # ids of the latest `next()` batch
+        self.epoch = self.rest[0][0] if self.rest else epoch  # epoch of the latest row read from the stream
         self._warned_ids = False
+        self._buffer: deque[FeedRow] = deque()  # rows of the fetched batch not pulled yet
         self._batches = _Prefetch(self._epochs())
 
-    def __iter__(self) -> Iterator[dict]:
-        return self
+    # ---- reading ------------------------------------------------------------------------------------
+    def pull(self, k: int) -> None:
+        """Read `k` rows from the stream to the back of the queue (blocks until they arrive)."""
+        for _ in range(k):
+            if not self._buffer:
+                epoch, batch = next(self._batches)
+                n = len(batch["id"])
+                self._buffer.extend(FeedRow(epoch, {c: v[i] for c, v in batch.items()}) for i in range(n))
+            row = self._buffer.popleft()
+            self.epoch = row.epoch
+            self.queue.append(row)
 
-    def __next__(self) -> dict:
-        epoch, rows = next(self._batches)
-        if epoch != self.epoch:  # the first batch of a new epoch
-            self.epoch, self.consumed = epoch, []
-        ids = rows["id"].tolist()
+    def pop(self, k: int) -> list[FeedRow]:
+        """Up to `k` rows from the front of the queue."""
+        return [self.queue.popleft() for _ in range(min(k, len(self.queue)))]
+
+    def requeue(self, rows: list[FeedRow]) -> None:
+        """Put `rows` back at the front of the queue, in their order (each one's abort count + 1): not consumed,
+        served first next time."""
+        self.queue.extendleft(replace(r, aborts=r.aborts + 1) for r in reversed(rows))
+
+    def consume(self, rows: list[FeedRow]) -> None:
+        """Record the rows' ids in their epochs' position (once trained on, or drawn and dropped)."""
+        ids = [r.id for r in rows]
         if -1 in ids or len(set(ids)) < len(ids):
             if not self._warned_ids:
                 self._warned_ids = True
@@ -96,26 +159,47 @@ class PromptFeed:
                     "prompt ids are missing (-1) or repeated: the data position is not recorded, and a resumed "
                     "run starts its epoch over; give every row a unique data.id_key column"
                 )
-        else:
-            self.consumed.extend(ids)
-        self.last_ids = ids
-        return rows
+            return
+        for r in rows:
+            self.consumed.setdefault(r.epoch, []).append(r.id)
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        """A step of `batch_size` rows (queue first), consumed, as a numpy batch."""
+        self.pull(max(self.batch_size - len(self.queue), 0))
+        rows = self.pop(self.batch_size)
+        self.consume(rows)
+        self.last_ids = [r.id for r in rows]
+        return columns(rows)
+
+    # ---- the position -------------------------------------------------------------------------------
+    def open_epoch(self) -> int:
+        """The oldest epoch this group still reads, holds in its queue, or has its stream in."""
+        held = [r.epoch for r in (*self.queue, *self._buffer)]
+        return min([self.epoch, *held])
+
+    def position(self, since: int) -> Position:
+        """The consumed ids of each epoch >= `since` (older epochs are finished by every group)."""
+        return {e: ids for e, ids in self.consumed.items() if e >= since}
 
     def _epochs(self) -> Iterator[tuple[int, dict]]:
         """(epoch, batch) pairs; runs in the prefetch thread, so it changes no state of the feed."""
-        shard, first = (self.rest, True) if self.rest is not None else (self.full, False)
-        epoch = self.epoch
-        while True:
-            empty = True
-            for batch in shard.iter_batches(batch_size=self.batch_size, drop_last=True, batch_format="numpy"):
-                empty = False
+        for epoch, shard in self.rest:
+            for batch in shard.iter_batches(batch_size=self.batch_size, batch_format="numpy"):
                 yield epoch, batch
-            if empty and not first:
+        epoch = self.first_full_epoch
+        while True:
+            rows = 0
+            for batch in self.full.iter_batches(batch_size=self.batch_size, batch_format="numpy"):
+                rows += len(batch["id"])
+                yield epoch, batch
+            if rows < self.batch_size:
                 raise DataError(
-                    f"this group's share of the prompt data holds fewer than {self.batch_size} rows (one step's "
-                    "prompts); lower train.prompts_per_step or add data"
+                    f"this group's share of the prompt data holds {rows} rows, fewer than {self.batch_size} (one "
+                    "step's prompts); lower train.prompts_per_step or add data"
                 )
-            shard, first = self.full, False
             epoch += 1
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import fsspec
 
 from yatt_ray.checkpoint.store import CheckpointStore
-from yatt_ray.checkpoint.training import _NO_RETENTION, RUN_ENTRY, rank_url
+from yatt_ray.checkpoint.training import _NO_RETENTION, RUN_ENTRY, rank_url, run_position
 from yatt_ray.checkpoint.writer import load
 
 
@@ -66,14 +66,17 @@ def prompt_audit(checkpoint_dir: str, storage_options: dict | None = None) -> Pr
     kept, discarded = surviving_records(prompt_records(checkpoint_dir, storage_options))
     per_epoch: dict[int, list] = {}
     for r in kept:
-        per_epoch.setdefault(int(r.get("epoch", 0)), []).extend(r["ids"])
+        for i, epoch in _with_epochs(r):
+            per_epoch.setdefault(epoch, []).append(i)
     duplicated = sum(len(ids) - len(set(ids)) for ids in per_epoch.values())
     lost = forgotten = 0
-    position = newest_position(checkpoint_dir, storage_options)
-    if position is not None:
-        step, epoch, consumed = position
-        before = {i for r in kept if r["step"] <= step and int(r.get("epoch", 0)) == epoch for i in r["ids"]}
-        lost, forgotten = len(consumed - before), len(before - consumed)
+    newest = newest_position(checkpoint_dir, storage_options)
+    if newest is not None:
+        step, floor, position = newest
+        for epoch in range(floor, max([floor, *position]) + 1):
+            consumed = set(position.get(epoch, []))
+            before = {i for r in kept if r["step"] <= step for i, e in _with_epochs(r) if e == epoch}
+            lost, forgotten = lost + len(consumed - before), forgotten + len(before - consumed)
     return PromptAudit(
         steps=len({r["step"] for r in kept}),
         prompts=sum(len(r["ids"]) for r in kept),
@@ -84,14 +87,20 @@ def prompt_audit(checkpoint_dir: str, storage_options: dict | None = None) -> Pr
     )
 
 
-def newest_position(checkpoint_dir: str, storage_options: dict | None = None) -> tuple[int, int, set] | None:
-    """(step, epoch, consumed ids) of the newest valid checkpoint, or None."""
+def _with_epochs(record: dict) -> list[tuple]:
+    """(prompt id, epoch) pairs of one prompt-log record."""
+    epochs = record.get("epochs") or [int(record.get("epoch", 0))] * len(record["ids"])
+    return list(zip(record["ids"], epochs))
+
+
+def newest_position(checkpoint_dir: str, storage_options: dict | None = None) -> tuple[int, int, dict] | None:
+    """(step, oldest open epoch, consumed ids by epoch) of the newest valid checkpoint, or None."""
     ref = CheckpointStore(checkpoint_dir, storage_options=storage_options).latest_valid()
     if ref is None:
         return None
     rank0 = CheckpointStore(rank_url(checkpoint_dir, 0), _NO_RETENTION, None, storage_options)
     run = load(rank0, rank0.ref(ref.step), [RUN_ENTRY])[RUN_ENTRY]
-    return ref.step, int(run["epoch"]), set(run["consumed"])
+    return ref.step, int(run["epoch"]), run_position(run)
 
 
 def committed_steps(checkpoint_dir: str) -> list[int]:

@@ -1,0 +1,109 @@
+"""The prompt feed's queue and data position, and the pure pieces of the rollout phase's draws, without a cluster:
+requeued prompts come first and are not consumed, a step may cross an epoch, positions of several groups merge
+into the one a checkpoint stores, and a feed resumed from it reads each prompt of an epoch once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from yatt_ray.checkpoint.training import merge_positions, run_position
+from yatt_ray.data.feed import FeedRow, PromptFeed, columns
+from yatt_ray.draws import is_informative, prompts_to_start, split_finished, top_up
+from yatt_ray.errors import DataError
+
+
+class Shard:
+    """A streaming-split stand-in: the same ids every epoch, in batches (the last one short)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.epochs = ids, 0
+
+    def iter_batches(self, batch_size: int, batch_format: str, drop_last: bool = False):
+        self.epochs += 1
+        for i in range(0, len(self.ids), batch_size):
+            chunk = self.ids[i : i + batch_size]
+            yield {"id": np.asarray(chunk), "prompt": np.asarray([f"p{j}" for j in chunk])}
+
+
+def ids(rows: list[FeedRow]) -> list[int]:
+    return [r.id for r in rows]
+
+
+def test_requeued_rows_come_first_and_are_not_consumed():
+    feed = PromptFeed(Shard(list(range(10))), [], batch_size=4)
+    feed.pull(6)
+    started = feed.pop(6)
+    assert ids(started) == [0, 1, 2, 3, 4, 5]
+    feed.consume(started[:4])
+    feed.requeue(started[4:])  # aborted: back to the front, in order
+    assert feed.consumed == {0: [0, 1, 2, 3]}
+    assert ids(list(feed.queue)) == [4, 5]
+    batch = next(feed)  # the queue first, then the stream
+    assert batch["id"].tolist() == [4, 5, 6, 7] and batch["prompt"].tolist() == ["p4", "p5", "p6", "p7"]
+    assert sorted(feed.consumed[0]) == list(range(8))
+
+
+def test_a_step_crosses_the_epoch_end_and_each_row_keeps_its_epoch():
+    feed = PromptFeed(Shard(list(range(6))), [], batch_size=4)
+    next(feed)
+    next(feed)  # ids 4, 5 of epoch 0, then 0, 1 of epoch 1
+    assert feed.consumed == {0: [0, 1, 2, 3, 4, 5], 1: [0, 1]}
+    assert feed.epoch == 1 and feed.open_epoch() == 1
+    feed.pull(3)  # rows 2, 3 (epoch 1) queued; the stream is past them
+    feed.requeue([FeedRow(0, {"id": 5})])  # a row of epoch 0 waiting in the queue keeps epoch 0 open
+    assert feed.open_epoch() == 0
+
+
+def test_positions_merge_from_the_oldest_open_epoch():
+    group_a = (1, {0: [1, 2], 1: [7, 8]})  # finished epoch 0, in epoch 1
+    group_b = (0, {0: [3, 4]})  # still in epoch 0
+    assert merge_positions([group_a, group_b]) == (0, {0: [1, 2, 3, 4], 1: [7, 8]})
+    assert merge_positions([group_a, (1, {1: [9]})]) == (1, {1: [7, 8, 9]})  # epoch 0 is done by both
+    assert run_position({"epoch": 2, "consumed": [5]}) == {2: [5]}  # a run state written before "position"
+    assert run_position({"epoch": 1, "consumed": [], "position": {"1": [3], "2": [4]}}) == {1: [3], 2: [4]}
+
+
+def test_a_feed_resumed_from_the_merged_position_reads_each_prompt_once_per_epoch():
+    """Two epochs open at the checkpoint: the resumed feed reads each without its consumed ids, then full ones."""
+    data = list(range(8))
+    floor, position = merge_positions([(0, {0: [0, 1, 2, 3, 4, 5], 1: [0, 1]}), (0, {0: [6]})])
+    rest = [(e, Shard([i for i in data if i not in consumed])) for e, consumed in position.items()]
+    feed = PromptFeed(Shard(data), rest, batch_size=3, epoch=floor, carried=position)
+    while feed.epoch < 2:
+        next(feed)
+    for epoch in (0, 1):
+        assert sorted(feed.consumed[epoch]) == data, epoch  # every prompt once: none lost, none repeated
+    assert feed.consumed[2] and len(set(feed.consumed[2])) == len(feed.consumed[2])
+
+
+def test_a_share_smaller_than_a_step_is_refused():
+    feed = PromptFeed(Shard([0, 1]), [], batch_size=4)
+    with pytest.raises(DataError, match="fewer than 4"):
+        next(feed)
+
+
+def test_missing_ids_leave_the_position_unrecorded(caplog):
+    feed = PromptFeed(Shard([-1, -1, -1, -1]), [], batch_size=4)
+    next(feed)
+    assert feed.consumed == {} and "missing" in caplog.text
+
+
+def test_columns_keep_arrays_as_objects():
+    rows = [FeedRow(0, {"id": 1, "image": np.zeros((2, 2))}), FeedRow(0, {"id": 2, "image": np.ones((3, 1))})]
+    out = columns(rows)
+    assert out["id"].tolist() == [1, 2] and out["image"][1].shape == (3, 1)
+
+
+def test_draw_sizes_and_the_group_filter():
+    assert [prompts_to_start(16, s) for s in (1.0, 1.25, 1.5)] == [16, 20, 24]
+    assert prompts_to_start(3, 1.25) == 4 and prompts_to_start(0, 1.5) == 0
+    assert is_informative([0.0, 1.0], "reward") and not is_informative([0.5, 0.5], "reward")
+    assert not is_informative([0.2, 0.5], "accuracy") and is_informative([0.2, 1.0], "accuracy")
+    # finish order 3, 0, 4 with 2 needed: keep 3 and 0; 4 finished too late and goes back with the aborted
+    assert split_finished([3, 0, 4], count=5, need=2) == ([3, 0], [1, 2, 4])
+    assert split_finished([3, 0, 4, 1], count=5, need=2, pinned=frozenset({1})) == ([1, 3], [0, 2, 4])
+    assert top_up(["a"], ["x", "y", "z"], share=3) == ["a", "y", "z"] and top_up(["a", "b"], ["x"], 2) == [
+        "a",
+        "b",
+    ]

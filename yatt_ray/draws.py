@@ -1,0 +1,67 @@
+"""The rollout phase's draws: over-sampling with abort, and dynamic sampling's group filter.
+
+A controller needs `share` prompt groups a step. Each draw starts `ceil(over_sample x need)` prompts, where
+`need` is what it still lacks; the engine stops as soon as `need` groups have all their samples and aborts
+the rest (the long tail), which go back to the front of the group's queue unconsumed. With dynamic sampling
+(DAPO's filter) a scored group whose samples all score the same carries no signal for a group baseline (every
+advantage is 0), so it is dropped (consumed) and the controller draws again, at most `algo.max_draws` times a
+step. A prompt aborted `MAX_ABORTS` times is not aborted again: the draw that starts it runs to the end
+and keeps it (one step pays its tail), so no prompt waits in the queue for ever. The pure pieces live here; the controller (`GroupController._collect`) drives the engine, the scorer
+and the feed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from yatt_ray.config import DynamicSampling
+from yatt_ray.data.feed import FeedRow
+from yatt_ray.reward.scorer import Sample
+from yatt_ray.rollout.base import Completion
+
+
+@dataclass
+class Group:
+    """One prompt's samples through the rollout phase: its row, token ids, completions and rewards."""
+
+    row: FeedRow
+    prompt_ids: list[int]
+    clipped: bool  # the prompt was longer than data.max_prompt_tokens (kept its last tokens)
+    completions: list[Completion]
+    samples: list[Sample]
+    rewards: list[float] = field(default_factory=list)
+
+
+MAX_ABORTS = 2  # a prompt aborted this often is kept the next time it is started
+
+
+def prompts_to_start(need: int, over_sample: float) -> int:
+    """ceil(over_sample x need): the prompts a draw starts to finish `need` groups (0 when nothing is needed)."""
+    return math.ceil(over_sample * need - 1e-9) if need > 0 else 0
+
+
+def is_informative(rewards: list[float], metric: DynamicSampling) -> bool:
+    """True when the group's `metric` varies: "reward" (the rewards) or "accuracy" (reward >= 1, correct or
+    not). A group where every sample scores the same gets zero advantage from any group baseline."""
+    values = rewards if metric == "reward" else [float(r >= 1.0) for r in rewards]
+    return max(values) != min(values)
+
+
+def split_finished(
+    order: list[int], count: int, need: int, pinned: frozenset[int] = frozenset()
+) -> tuple[list[int], list[int]]:
+    """(kept, back): the `pinned` prompts (aborted `MAX_ABORTS` times) and then the first to finish (in finish
+    `order`) up to `need` are kept; every other one of the `count` started (aborted, or finished past `need`)
+    goes back, in prompt order, so each draw trains exactly `need` groups."""
+    kept = [i for i in order if i in pinned][:need]
+    kept += [i for i in order if i not in pinned][: need - len(kept)]
+    chosen = set(kept)
+    return kept, [i for i in range(count) if i not in chosen]
+
+
+def top_up(kept: list[Group], dropped: list[Group], share: int) -> list[Group]:
+    """The step's groups: the informative ones, then (when the draws ran out) the latest dropped ones up to
+    `share`, so every group trains a full batch; dropped groups have zero advantage under a group baseline."""
+    missing = max(share - len(kept), 0)
+    return kept + (dropped[len(dropped) - missing :] if missing else [])
