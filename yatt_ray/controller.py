@@ -90,6 +90,9 @@ class GroupController:
         worker = f"rank{layout.rank}"
         self.recorder = SpanRecorder("trainer", worker, local_accelerator(worker))
         self.timer = PhaseTimer(recorder=self.recorder)
+        for trainer in (self.policy, self.critic):
+            if trainer is not None:  # a train step's parts (compute, grad-sync wait) become spans
+                trainer.recorder = self.recorder
         self.memory: dict[str, float] = {}  # bytes released between phases this step (full coexistence)
         self.prompts_per_group = t.prompts_per_step // t.dp_size
         # partial coexistence: each prompt's samples go to the GenRM as soon as they finish generating
@@ -184,8 +187,13 @@ class GroupController:
             self._old_log_probs_and_values(batch, step)
         whiten = partial(masked_whiten, all_reduce=lambda t: dist.all_reduce(t, group=self.dp_group))
         compute_advantages(batch, cfg.algo, self.kl_ctl.value, whiten=whiten)
-        with timer.phase("train"):
-            train_stats = self._update(batch, step)
+        train_batch, restore, balance_stats = self._balance(batch)
+        with timer.phase(
+            "train", busy=False
+        ):  # the trainers record its parts: compute, and the grad-sync wait
+            train_stats = self._update(train_batch, step)
+        if batch.old_logp is None:  # on-policy: recorded by the training forward, back in this rank's order
+            batch.old_logp = restore(train_batch.old_logp)
         with timer.phase("weight_sync"):
             if self._policy_moves(step):
                 self.sync_weights()
@@ -195,10 +203,40 @@ class GroupController:
         times.update(step=wall, other=max(wall - sum(times.values()), 0.0), orchestration=wall - compute)
         metrics = reduce_metrics(step, batch, train_stats, times, self.layout.is_controller, cfg.algo)
         metrics["kl_coef"] = self.kl_ctl.value
+        metrics.update({**balance_stats, **self._train_compute_per_rank()})
         if "kl_per_sequence" in metrics and self._policy_moves(step):  # no KL to track while frozen
             self.kl_ctl.update(metrics["kl_per_sequence"], n_steps=int(metrics["samples"]))
         self._push_spans()
         return metrics
+
+    def _balance(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any, dict[str, float]]:
+        """`train.balance`: (the batch this rank trains, a function bringing a per-row [N, R] tensor of it back
+        to `batch`'s rows, stats). Prompt groups move worker to worker so that every data-parallel rank's cost
+        (tokens, or FLOPs) is as even as Karmarkar-Karp makes it; loss normalisation stays global."""
+        mode = self.config.train.balance
+        if mode == "off" or self.layout.dp_size == 1:
+            return batch, lambda tensor: tensor, {}
+        from yatt_ray.metrics.flops import registered_perf_model
+        from yatt_ray.train.balance import exchange
+
+        with self.timer.phase("balance", busy=False):  # the exchange: network, no compute
+            moved, restore, stats = exchange(batch, mode, self.dp_group, registered_perf_model())
+        return moved, restore.restore, stats
+
+    def _train_compute_per_rank(self) -> dict[str, float]:
+        """Seconds each data-parallel rank computed in this step's train phase (forward, backward, optimizer;
+        not the wait in the gradient all-reduce), `time/train_compute/dp<r>`, and `balance/train_wait_s`: the
+        seconds the ranks together waited for the slowest one."""
+        seconds = 0.0
+        for trainer in (self.policy, self.critic):
+            if trainer is not None:
+                seconds, trainer.compute_s = seconds + trainer.compute_s, 0.0
+        per_rank = [torch.zeros(1, dtype=torch.float64) for _ in range(self.layout.dp_size)]
+        dist.all_gather(per_rank, torch.tensor([seconds], dtype=torch.float64), group=self.dp_group)
+        values = [float(t.item()) for t in per_rank]
+        out = {f"time/train_compute/dp{r}": v for r, v in enumerate(values)}
+        out["balance/train_wait_s"] = sum(max(values) - v for v in values)
+        return out
 
     def _push_spans(self) -> None:
         """Every rank's busy intervals of the step, for the driver's timeline (names and times only)."""

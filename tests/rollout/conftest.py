@@ -158,6 +158,61 @@ def token_ids(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in group] for group in outs]
 
 
+# Long-tail prompts: with a fifth of the vocabulary as stop ids, the old model's completions of these end after
+# very different numbers of tokens (greedy: 1 to 18, one runs to max_new_tokens), ties included.
+TAIL_PROMPTS = PROMPTS + [[1, 30, 31], [1, 60, 61, 62, 63], [1, 90], [1, 3, 4, 5, 6, 7]]
+TAIL_STOPS = tuple(range(50, 70))
+
+
+def group_lengths(outs) -> list[int]:
+    """Decoding steps each prompt's group needs: its longest completion."""
+    return [max(len(c.token_ids) for c in group) for group in outs]
+
+
+def first_k_finished(lengths: list[int], k: int) -> set[int]:
+    """The prompts done by the step at which the k-th group finishes, when all start together."""
+    kth = sorted(lengths)[k - 1]
+    return {i for i, length in enumerate(lengths) if length <= kth}
+
+
+def check_finish_after(engine, spec, k: int, expected=None, prompts=TAIL_PROMPTS):
+    """`generate(finish_after=k)` against a `finish_after=None` run of the same seed (the reference).
+
+    Finished prompts are exactly `expected(reference_lengths, k)` (default `first_k_finished`: every prompt
+    as short as the k-th shortest, so at least k, ties kept); their groups equal the reference's (tokens,
+    log-probs, finish reasons), so completions stopped inside an aborted batch are cut right; every other
+    prompt is None and was longer in the reference; `on_finished` saw each finished prompt once;
+    `last_aborted` counts the Nones; and the next call gives the reference again (no leftovers).
+    Returns (outs, reference, the prompt indices in `on_finished` order).
+    """
+    reference = engine.generate(prompts, spec)
+    assert engine.last_aborted == 0
+    lengths = group_lengths(reference)
+    want = (expected or first_k_finished)(lengths, k)
+    seen: list[int] = []
+    outs = engine.generate(prompts, spec, on_finished=lambda i, g: seen.append(i), finish_after=k)
+    assert len(outs) == len(prompts)
+    finished = {i for i, group in enumerate(outs) if group is not None}
+    assert finished == want, (finished, want, lengths)
+    assert len(finished) >= k
+    assert sorted(seen) == sorted(finished)
+    assert engine.last_aborted == len(prompts) - len(finished)
+    kth = sorted(lengths)[k - 1]
+    for i, group in enumerate(outs):
+        if group is None:
+            assert expected or lengths[i] > kth, (i, lengths)  # one batch: only a straggler is aborted
+            continue
+        assert [(c.token_ids, c.finish_reason) for c in group] == [
+            (c.token_ids, c.finish_reason) for c in reference[i]
+        ]
+        for c, r in zip(group, reference[i]):
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+    again = engine.generate(prompts, spec)
+    assert engine.last_aborted == 0
+    assert token_ids(again) == token_ids(reference)
+    return outs, reference, seen
+
+
 @pytest.fixture(scope="session")
 def ref():
     """The reference helpers, as a fixture (test modules do not import conftest)."""
@@ -170,7 +225,12 @@ def ref():
         check_stops = staticmethod(check_stops)
         check_ignore_eos = staticmethod(check_ignore_eos)
         token_ids = staticmethod(token_ids)
+        group_lengths = staticmethod(group_lengths)
+        first_k_finished = staticmethod(first_k_finished)
+        check_finish_after = staticmethod(check_finish_after)
         prompts = PROMPTS
+        tail_prompts = TAIL_PROMPTS
+        tail_stops = TAIL_STOPS
 
     return Ref
 

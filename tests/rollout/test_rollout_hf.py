@@ -140,3 +140,63 @@ def test_ignore_eos_generates_fixed_length_completions(engine, ref, eos_heavy_st
     """`ignore_eos` runs every completion to max_new_tokens, EOS-heavy weights or not (`check_ignore_eos`)."""
     engine.load_weights(eos_heavy_state.items())
     ref.check_ignore_eos(engine)
+
+
+def _chunked_first_k(chunk_prompts: int):
+    """The prompts `finish_after=k` keeps when batches of `chunk_prompts` prompts run one after another:
+    whole batches while fewer than k are done, then the batch that reaches k stops at its deciding step."""
+
+    def expected(lengths: list[int], k: int) -> set[int]:
+        done: set[int] = set()
+        for start in range(0, len(lengths), chunk_prompts):
+            if len(done) >= k:
+                break
+            batch = lengths[start : start + chunk_prompts]
+            need = k - len(done)
+            kth = sorted(batch)[need - 1] if need <= len(batch) else max(batch)
+            done |= {start + j for j, length in enumerate(batch) if length <= kth}
+        return done
+
+    return expected
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_finish_after_stops_the_batch_once_k_prompts_are_done(engine, ref, old_weights, k):
+    """Greedy (HF sampling depends on the batch): one batch of 8 prompts whose greedy groups end after 1 to
+    24 tokens; k=1 keeps the two that stop at the first step."""
+    spec = SamplingSpec(n=1, max_new_tokens=24, temperature=0.0, stop_token_ids=ref.tail_stops)
+    outs, reference, _ = ref.check_finish_after(engine, spec, k)
+    assert None in outs, ref.group_lengths(reference)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_finish_after_counts_earlier_batches_and_skips_later_ones(model_dirs, ref, k):
+    """Batches of 2 prompts x n=2: groups done in earlier batches count, later batches never run; a batch
+    stopped mid-way keeps the rows that hit a stop token, cut there (n=2 greedy rows are equal)."""
+    small = HFEngine(model_dirs[0], device="cpu", max_batch_size=4)
+    try:
+        spec = SamplingSpec(n=2, max_new_tokens=24, temperature=0.0, stop_token_ids=ref.tail_stops)
+        ref.check_finish_after(small, spec, k, expected=_chunked_first_k(2))
+    finally:
+        small.close()
+
+
+def test_finish_after_counts_length_finished_prompts(model_dirs, ref):
+    """With `ignore_eos` every row ends by length: the first batch's two prompts are done, so k=2 skips the
+    rest; k=4 (all prompts) aborts nothing."""
+    small = HFEngine(model_dirs[0], device="cpu", max_batch_size=2)
+    try:
+        spec = SamplingSpec(n=1, max_new_tokens=3, seed=1, ignore_eos=True)
+        outs = small.generate(ref.prompts, spec, finish_after=2)
+        assert [g is not None for g in outs] == [True, True, False, False] and small.last_aborted == 2
+        assert all(c.finish_reason == "length" and len(c.token_ids) == 3 for g in outs[:2] for c in g)
+        assert ref.token_ids(outs[:2]) == ref.token_ids(small.generate(ref.prompts, spec)[:2])
+        assert None not in small.generate(ref.prompts, spec, finish_after=4) and small.last_aborted == 0
+    finally:
+        small.close()
+
+
+@pytest.mark.parametrize("k", [0, 5, -1, True, 1.0, "1"])
+def test_finish_after_out_of_range_is_a_config_error(engine, ref, k):
+    with pytest.raises(ConfigError, match=rf"finish_after={k!r} must be None or an int in \[1, 4\]"):
+        engine.generate(ref.prompts, SamplingSpec(n=1, max_new_tokens=2), finish_after=k)

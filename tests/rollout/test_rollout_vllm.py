@@ -183,3 +183,54 @@ def test_ignore_eos_generates_fixed_length_completions(engine, ref, eos_heavy_st
     """`ignore_eos` runs every completion to max_new_tokens, EOS-heavy weights or not (`check_ignore_eos`)."""
     engine.load_weights(eos_heavy_state.items())
     ref.check_ignore_eos(engine)
+
+
+def _assert_no_requests_left(engine) -> None:
+    """Nothing of an aborted call stays in vLLM: not in the engine, its scheduler or its output processor."""
+    llm_engine = engine._llm.llm_engine
+    assert not llm_engine.has_unfinished_requests()
+    assert llm_engine.engine_core.engine_core.scheduler.get_num_unfinished_requests() == 0
+    processor = llm_engine.output_processor
+    assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_finish_after_aborts_the_stragglers(engine, ref, old_weights, k):
+    """Sampled, n=2: vLLM seeds each request, so finished groups equal a plain call's on the same seed, and
+    prompts are kept exactly when their group is no longer than the k-th shortest (with this seed, k=5 keeps
+    6: two groups tie at the 5th length). `on_finished` runs in finish order."""
+    spec = SamplingSpec(n=2, max_new_tokens=24, seed=3, stop_token_ids=ref.tail_stops)
+    outs, reference, seen = ref.check_finish_after(engine, spec, k)
+    assert None in outs, ref.group_lengths(reference)
+    lengths = ref.group_lengths(reference)
+    assert [lengths[i] for i in seen] == sorted(lengths[i] for i in seen)
+    _assert_no_requests_left(engine)
+
+
+def test_finish_after_all_prompts_aborts_nothing(engine, ref, old_weights):
+    spec = SamplingSpec(n=2, max_new_tokens=8, seed=5, stop_token_ids=ref.tail_stops)
+    outs = engine.generate(ref.tail_prompts, spec, finish_after=len(ref.tail_prompts))
+    assert engine.last_aborted == 0
+    assert ref.token_ids(outs) == ref.token_ids(engine.generate(ref.tail_prompts, spec))
+
+
+def test_a_failing_on_finished_leaves_no_requests_behind(engine, ref, old_weights):
+    spec = SamplingSpec(n=2, max_new_tokens=24, seed=3, stop_token_ids=ref.tail_stops)
+
+    def fail(i, group):
+        raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        engine.generate(ref.tail_prompts, spec, on_finished=fail)
+    assert engine.last_aborted == len(ref.tail_prompts) - 1
+    _assert_no_requests_left(engine)
+    reference = engine.generate(ref.tail_prompts, spec)
+    assert ref.token_ids(engine.generate(ref.tail_prompts, spec, on_finished=lambda i, g: None)) == (
+        ref.token_ids(reference)
+    )
+
+
+@pytest.mark.parametrize("k", [0, 9, True])
+def test_finish_after_out_of_range_is_a_config_error(engine, ref, k):
+    with pytest.raises(ConfigError, match=rf"finish_after={k!r} must be None or an int in \[1, 8\]"):
+        engine.generate(ref.tail_prompts, SamplingSpec(n=1, max_new_tokens=2), finish_after=k)

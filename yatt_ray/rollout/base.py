@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, overload, runtime_checkable
 
 import torch
 
@@ -133,14 +133,48 @@ OnFinished = Callable[[int, list[Completion]], None]  # (prompt index, its compl
 class RolloutEngine(Protocol):
     """A generation engine colocated with a trainer worker. See the module docstring for the contracts."""
 
+    last_aborted: int  # prompts aborted (returned as None) by the latest `generate` call
+
+    # `finish_after` changes the return type (None in place of aborted prompts), hence the overloads.
+    @overload
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, on_finished: OnFinished | None = None
-    ) -> list[list[Completion]]:
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        finish_after: None = None,
+    ) -> list[list[Completion]]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        *,
+        finish_after: int,
+    ) -> list[list[Completion] | None]: ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        finish_after: int | None = None,
+    ) -> list[list[Completion]] | list[list[Completion] | None]:
         """Outer list: one entry per prompt, in order; inner list: `spec.n` completions.
 
         `on_finished(prompt_index, completions)`, when given, is called as soon as a prompt's samples are
         all done (in completion order, which may differ from prompt order): partial coexistence sends them
         to the GenRM while the rest still generate. The returned list is the same either way.
+
+        `finish_after=k` (long-tail control; 1 <= k <= len(prompts), else `ConfigError`): as soon as at least
+        k prompts have all their `spec.n` samples finished ("stop" or "length"), the engine aborts every
+        unfinished request and returns. Finished prompts keep their completions (more than k when several
+        finish in the same engine step: all are kept, the caller chooses); each aborted prompt's entry is
+        `None`, and `last_aborted` counts them. `on_finished` is called for the finished prompts only. The
+        engine holds no leftover requests afterwards: the next call starts clean. With `finish_after=None`
+        (the default) every prompt runs to the end and `last_aborted` is 0.
 
         Prompts are token ids with BOS already included; none may be empty, and
         `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length.
@@ -191,6 +225,21 @@ def validate_prompts(
     bad_stops = [t for t in spec.stop_token_ids if t >= vocab_size]
     if bad_stops:
         raise ConfigError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_finish_after(finish_after: int | None, num_prompts: int) -> None:
+    """`finish_after` must be None or an int in [1, num_prompts]; raises `ConfigError` naming the value."""
+    if finish_after is None:
+        return
+    if (
+        isinstance(finish_after, bool)
+        or not isinstance(finish_after, int)
+        or not 1 <= finish_after <= num_prompts
+    ):
+        raise ConfigError(
+            f"finish_after={finish_after!r} must be None or an int in [1, {num_prompts}] (the number of "
+            "prompts): how many prompts must finish before the rest are aborted"
+        )
 
 
 def read_eos_token_ids(model_dir: str) -> tuple[int, ...]:

@@ -16,10 +16,13 @@ tested against. Semantics follow `yatt_ray.rollout.base`:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
+from typing import overload
 
 import torch
+from transformers import StoppingCriteria
 
 from yatt_ray.errors import ConfigError, YattError
 from yatt_ray.rollout.base import (
@@ -28,6 +31,7 @@ from yatt_ray.rollout.base import (
     OnFinished,
     PrivateRng,
     SamplingSpec,
+    check_finish_after,
     derive_seed,
     read_eos_token_ids,
     validate_prompts,
@@ -94,32 +98,82 @@ class HFEngine:
         self._rng = PrivateRng(seed, cuda_index)
         self._asleep = False
         self._closed = False
+        self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
 
     # ------------------------------------------------------------------ generation
+    @overload
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, on_finished: OnFinished | None = None
-    ) -> list[list[Completion]]:
-        """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done."""
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        finish_after: None = None,
+    ) -> list[list[Completion]]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        *,
+        finish_after: int,
+    ) -> list[list[Completion] | None]: ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        finish_after: int | None = None,
+    ) -> list[list[Completion]] | list[list[Completion] | None]:
+        """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done.
+
+        With `finish_after=k`, a batch's `generate` ends as soon as k prompts are complete (counting those of
+        earlier batches), later batches are skipped, and prompts with an unfinished row are None.
+        """
         self._check_usable("generate")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
+        check_finish_after(finish_after, len(prompts))
         if self._asleep:
             raise YattError("HFEngine.generate called while asleep: call wake() first")
-        rows = [prompt for prompt in prompts for _ in range(spec.n)]
+        self.last_aborted = 0
+        n = spec.n
+        rows = [prompt for prompt in prompts for _ in range(n)]
         size = self._max_batch_size or max(len(rows), 1)
-        done: list[Completion] = []
+        stops = spec.stops(self.eos_token_ids)
+        done: list[Completion] = []  # rows so far, in order
+        groups: list[list[Completion] | None] = [None] * len(prompts)
+        complete = 0
         for chunk_index, start in enumerate(range(0, len(rows), size)):
+            if finish_after is not None and complete >= finish_after:
+                break
             seed = None if spec.seed is None else derive_seed(spec.seed, chunk_index)
-            ready = len(done) // spec.n
-            done.extend(self._generate_batch(rows[start : start + size], spec, seed))
-            if on_finished is not None:
-                for i in range(ready, len(done) // spec.n):
-                    on_finished(i, done[i * spec.n : (i + 1) * spec.n])
-        return [done[i * spec.n : (i + 1) * spec.n] for i in range(len(prompts))]
+            stopper = None
+            if finish_after is not None:  # completed per batch with its prompt width
+                stopper = partial(_GroupsDone, start, len(rows), n, finish_after, stops)
+            done.extend(self._generate_batch(rows[start : start + size], spec, seed, stopper))
+            for i in range(start // n, len(done) // n):  # prompts whose rows are all in by now
+                group = done[i * n : (i + 1) * n]
+                if groups[i] is None and (finish_after is None or all(_finished(c, spec) for c in group)):
+                    groups[i] = group
+                    complete += 1
+                    if on_finished is not None:
+                        on_finished(i, group)
+        self.last_aborted = groups.count(None)
+        return groups
 
     def _generate_batch(
-        self, rows: list[list[int]], spec: SamplingSpec, seed: int | None
+        self,
+        rows: list[list[int]],
+        spec: SamplingSpec,
+        seed: int | None,
+        stopper: Callable[[int], StoppingCriteria] | None = None,
     ) -> list[Completion]:
-        from transformers import GenerationConfig
+        """One `model.generate` over `rows`. `stopper(prompt_width)`, when given, makes a stopping criterion
+        that may end it early, leaving some rows unfinished (cut short: neither a stop token nor
+        `max_new_tokens` tokens)."""
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         if not rows:
             return []
@@ -153,6 +207,7 @@ class HFEngine:
                 input_ids=input_ids.to(self._device),
                 attention_mask=attention_mask.to(self._device),
                 generation_config=config,
+                stopping_criteria=None if stopper is None else StoppingCriteriaList([stopper(width)]),
             )
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab], raw (pre-processor)
@@ -230,3 +285,31 @@ class HFEngine:
 
     def __repr__(self) -> str:
         return f"HFEngine({self.model_dir!r}, device={self._device}, max_model_len={self.max_model_len})"
+
+
+def _finished(completion: Completion, spec: SamplingSpec) -> bool:
+    """Whether a row ran to its end: a stop token, or all `max_new_tokens` (prompts are validated to fit)."""
+    return completion.finish_reason == "stop" or len(completion.token_ids) == spec.max_new_tokens
+
+
+class _GroupsDone(StoppingCriteria):
+    """Ends a batch's `generate` once `k` prompts have all `n` rows finished.
+
+    The batch holds rows `[start, start + batch)` of the call's `total` rows (prompt-major, `n` per prompt),
+    left-padded to `width` prompt tokens: rows before it ran in earlier, complete batches (so they count as
+    finished), rows after it have not started. A row of the batch is finished once it generated a stop token;
+    reaching `max_new_tokens` ends the whole batch anyway. Tensor ops only, so no device sync per step.
+    """
+
+    def __init__(self, start: int, total: int, n: int, k: int, stops: tuple[int, ...], width: int) -> None:
+        self.start, self.total, self.n, self.k, self.width = start, total, n, k, width
+        self.stops = torch.tensor(stops, dtype=torch.long)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
+        batch = input_ids.shape[0]
+        stopped = torch.isin(input_ids[:, self.width :], self.stops.to(input_ids.device)).any(dim=1)
+        rows = torch.zeros(self.total, dtype=torch.bool, device=input_ids.device)
+        rows[: self.start] = True
+        rows[self.start : self.start + batch] = stopped
+        enough = rows.view(-1, self.n).all(dim=1).sum() >= self.k
+        return enough.expand(batch)  # type: ignore[return-value]

@@ -59,7 +59,7 @@ import threading
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -69,6 +69,7 @@ from yatt_ray.rollout.base import (
     OnFinished,
     PrivateRng,
     SamplingSpec,
+    check_finish_after,
     derive_seed,
     read_eos_token_ids,
     validate_prompts,
@@ -202,11 +203,37 @@ class VLLMEngine:
         self._weights_awake = False  # GPU: weights woken for a sync during sleep
         self._closed = False
         self._batches = 0  # streamed generate calls (request-id prefix)
+        self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
 
     # ------------------------------------------------------------------ generation
+    @overload
     def generate(
-        self, prompts: list[list[int]], spec: SamplingSpec, on_finished: OnFinished | None = None
-    ) -> list[list[Completion]]:
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        finish_after: None = None,
+    ) -> list[list[Completion]]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        *,
+        finish_after: int,
+    ) -> list[list[Completion] | None]: ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        spec: SamplingSpec,
+        on_finished: OnFinished | None = None,
+        finish_after: int | None = None,
+    ) -> list[list[Completion]] | list[list[Completion] | None]:
+        """`LLM.generate` for a plain call; step by step (`_generate_streaming`) with `on_finished` or
+        `finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -215,6 +242,7 @@ class VLLMEngine:
         if self._asleep:
             raise YattError("VLLMEngine.generate called while asleep: call wake() first")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
+        check_finish_after(finish_after, len(prompts))
         stops = list(spec.stops(self.eos_token_ids))
         params = [
             SamplingParams(
@@ -233,34 +261,54 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        self.last_aborted = 0
         with self._rng.active():
-            if on_finished is None:
+            if on_finished is None and finish_after is None:
                 outputs = self._llm.generate(requests, params, use_tqdm=False)
                 return [_group(out) for out in outputs]
-            return self._generate_streaming(requests, params, on_finished)
+            return self._generate_streaming(requests, params, on_finished, finish_after)
 
     def _generate_streaming(
-        self, requests: list, params: list, on_finished: OnFinished
-    ) -> list[list[Completion]]:
+        self, requests: list, params: list, on_finished: OnFinished | None, finish_after: int | None
+    ) -> list[list[Completion] | None]:
         """Drive the engine step by step and hand each prompt's group to `on_finished` as soon as all its
-        samples are done (the same requests and seeds as `LLM.generate`, so the same tokens)."""
+        samples are done (the same requests and seeds as `LLM.generate`, so the same tokens).
+
+        Once `finish_after` groups are done (after the step that finished them, so all groups of that step
+        are kept), the requests still running are aborted; so are they when anything raises, so the engine
+        never keeps requests of an earlier call.
+        """
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm.llm_engine
         self._batches += 1
-        index = {}
-        for i, (request, p) in enumerate(zip(requests, params)):
-            p.output_kind = RequestOutputKind.FINAL_ONLY
-            request_id = f"yatt-{self._batches}-{i}"
-            engine.add_request(request_id, request, p)
-            index[request_id] = i
-        groups: list[list[Completion]] = [[] for _ in requests]
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in index:
-                    i = index[out.request_id]
-                    groups[i] = _group(out)
-                    on_finished(i, groups[i])
+        index: dict[str, int] = {}  # external request id (what outputs carry) -> prompt index
+        internal: dict[int, str] = {}  # prompt index -> vLLM's internal id (the parent's when n > 1)
+        groups: list[list[Completion] | None] = [None] * len(requests)
+        try:
+            for i, (request, p) in enumerate(zip(requests, params)):
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = f"yatt-{self._batches}-{i}"
+                internal[i] = engine.add_request(request_id, request, p)
+                index[request_id] = i
+            finished = 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in index:
+                        i = index[out.request_id]
+                        groups[i] = group = _group(out)
+                        finished += 1
+                        if on_finished is not None:
+                            on_finished(i, group)
+                if finish_after is not None and finished >= finish_after:
+                    break
+        finally:
+            pending = [internal[i] for i in internal if groups[i] is None]
+            if pending:
+                # Internal ids: aborting a parent (n > 1) by id also drops vLLM's parent record, which an
+                # abort by external id leaves behind.
+                engine.abort_request(pending, internal=True)
+            self.last_aborted = len(pending)
         return groups
 
     # ------------------------------------------------------------------ weights

@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.train.hf_convert import LlamaShape, StateDict
 from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
 from yatt_ray.train.model import init_parallel_state, seed_everything
@@ -73,6 +76,9 @@ class MegatronTrainerBase:
         self.optimizer = _make_adamw(self.model, lr, weight_decay, betas)
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.forward_tokens = 0  # tokens the model ran over since the last train step began (packed)
+        # set by the controller: a train step's parts become timeline spans (the gradient all-reduce as a wait)
+        self.recorder: SpanRecorder | None = None
+        self.compute_s = 0.0  # seconds of forward / backward / optimizer in train steps since the last read
 
     # ---- what subclasses provide ---------------------------------------------------------------------------
 
@@ -137,16 +143,28 @@ class MegatronTrainerBase:
         rows = batch["input_ids"].shape[0]
         totals: dict[str, float] = {}
         self.forward_tokens = 0
-        for index in micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens, group_size):
-            loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
-            loss.backward()
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+        with self._part("forward_backward"):
+            for index in micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens, group_size):
+                loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
+                loss.backward()
+                for k, v in metrics.items():
+                    totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
         totals["forward_tokens"] = float(self.forward_tokens)
-        grad_norm = self._sync_and_clip()
-        self.optimizer.step()
-        self._zero_grads()
+        with self._part("grad_sync", busy=False):  # waits here for the slowest data-parallel rank
+            grad_norm = self._sync_and_clip()
+        with self._part("optimizer"):
+            self.optimizer.step()
+            self._zero_grads()
         return {"grad_norm": grad_norm, "lr": self.lr, **self._sum_over_dp(totals)}
+
+    @contextmanager
+    def _part(self, name: str, busy: bool = True) -> Iterator[None]:
+        """A part of a train step: a span when a recorder is set; busy parts add to `compute_s`."""
+        start = time.perf_counter()
+        with self.recorder.span(name, busy=busy) if self.recorder is not None else nullcontext():
+            yield
+        if busy:
+            self.compute_s += time.perf_counter() - start
 
     def _sync_and_clip(self) -> float:
         """All-reduce (sum) grads over DP, expose them as p.grad, clip by the global norm; return the norm."""
