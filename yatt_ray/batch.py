@@ -100,3 +100,57 @@ def pack(
             response_mask[i, : len(r)] = 1.0
             rollout_logp[i, : len(r)] = torch.tensor(lp, dtype=torch.float32)
     return RolloutBatch(input_ids, attention_mask, response_mask, rollout_logp, width_p, group_size)
+
+
+FULL_WIDTH_FIELDS = ("input_ids", "attention_mask")  # [N, P + R]; the other 2-D row fields are [N, R]
+
+
+def pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_id: int = 0) -> RolloutBatch:
+    """`batch` re-padded to widths P' >= P and R' >= R: prompts LEFT-padded (P' - P columns in front),
+    responses RIGHT-padded (R' - R columns behind). New columns hold `pad_id` in `input_ids` and 0 in every
+    other field, so the masks are unchanged on real tokens and the old row is `new[:, P'-P : P'+R]` ([N, R]
+    fields: `new[:, :R]`). [N] fields (`rewards`) and the per-prompt / scalar fields are kept as they are."""
+    old_r = batch.input_ids.shape[1] - batch.prompt_width
+    left, right = prompt_width - batch.prompt_width, response_width - old_r
+    if left < 0 or right < 0:
+        raise ValueError(
+            f"pad_to: widths ({prompt_width}, {response_width}) are narrower than the batch's "
+            f"({batch.prompt_width}, {old_r}); padding only widens"
+        )
+    if left == right == 0:
+        return batch
+    padded = {}
+    for name, value in batch.tensors().items():
+        if value.ndim < 2:
+            continue
+        before = left if name in FULL_WIDTH_FIELDS else 0
+        fill = pad_id if name == "input_ids" else 0
+        out = value.new_full((value.shape[0], value.shape[1] + before + right), fill)
+        out[:, before : before + value.shape[1]] = value
+        padded[name] = out
+    return dataclasses.replace(batch, prompt_width=prompt_width, **padded)
+
+
+def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
+    """The samples of `batches` one after the other ([sum N_i, max P_i + max R_i]), each re-padded by `pad_to`
+    to the widest prompt and the widest response. Every batch must set the same row fields. `greedy_rewards`
+    is dropped (it is per prompt of one batch); `truncated` and `prompts_clipped` are summed; `group_size` and
+    `counters` come from the first batch."""
+    if not batches:
+        raise ValueError("concat: no batches to join")
+    names = [sorted(b.tensors()) for b in batches]
+    if any(n != names[0] for n in names):
+        raise ValueError(f"concat: the batches set different row fields: {names}")
+    width_p = max(b.prompt_width for b in batches)
+    width_r = max(b.input_ids.shape[1] - b.prompt_width for b in batches)
+    padded = [pad_to(b, width_p, width_r, pad_id) for b in batches]
+    joined = {name: torch.cat([b.tensors()[name] for b in padded]) for name in names[0]}
+    return dataclasses.replace(
+        batches[0],
+        prompt_width=width_p,
+        greedy_rewards=None,
+        truncated=sum(b.truncated for b in batches),
+        prompts_clipped=sum(b.prompts_clipped for b in batches),
+        counters=dict(batches[0].counters),
+        **joined,
+    )

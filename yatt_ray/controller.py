@@ -280,7 +280,7 @@ class GroupController:
         kept: list[Group] = []
         dropped: list[Group] = []
         self.step_rows = []
-        counts = {"draws": 0, "requeued": 0}
+        counts = {"draws": 0, "requeued": 0, "aborted": 0}
         self.engine.wake()
         while True:
             need = share - len(kept) if counts["draws"] < max_draws else 0
@@ -293,6 +293,7 @@ class GroupController:
             rows = feed.pop(want)
             with self.timer.phase("rollout"):
                 groups, back = self._generate(step, counts["draws"], rows, need)
+            counts["aborted"] += self.engine.last_aborted
             if back:
                 with self.recorder.span("aborted", busy=False):
                     feed.requeue(back)
@@ -319,7 +320,8 @@ class GroupController:
         batch.counters = {
             **self.scorer.take_stats(),
             **self.memory,
-            "rollout/requeued_prompts": float(counts["requeued"]),
+            "rollout/aborted_prompts": float(counts["aborted"]),  # stopped in the engine
+            "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished past the need
             "data/queued_prompts": float(len(feed.queue)),
         }
         if dynamic != "off":

@@ -44,7 +44,11 @@ def test_edge_cases():
 
 def test_micro_batch_indices_fixed_and_budget():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1], [1, 1, 1, 0]])
-    assert micro_batch_indices(mask, 2, None) == [[0, 1], [2, 3], [4]]
+    # real tokens 2 4 3 1 3: ceil(5 / 2) = 3 micro-batches balanced by Karmarkar-Karp: 5 4 4 (consecutive
+    # chunks [0, 1] [2, 3] [4] would cost 6 4 3)
+    assert micro_batch_indices(mask, 2, None) == [[0, 2], [1], [3, 4]]
+    assert micro_batch_indices(mask, 1, None) == [[0], [1], [2], [3], [4]]
+    assert micro_batch_indices(mask, 8, None) == [[0, 1, 2, 3, 4]]
     assert micro_batch_indices(mask, 2, 9) == [[1, 2], [4, 0, 3]]  # the budget wins over micro_batch_size
     with pytest.raises(ValueError, match="micro_batch_size=None"):
         micro_batch_indices(mask, None, None)
@@ -56,3 +60,23 @@ def test_select_rows_indexes_row_tensors_only():
     assert out["x"].tolist() == [3, 1] and out["y"].tolist() == [[6, 7], [2, 3]]
     assert out["scalar"] is batch["scalar"] and out["n"] == 7
     assert select_rows(batch, 5, [1, 2], "cpu")["x"].tolist() == [1, 2]
+
+
+def test_fixed_size_keeps_groups_and_balances_tokens():
+    g = torch.Generator().manual_seed(0)
+    rows, group = (
+        22,
+        2,
+    )  # 11 groups, the last one full; micro_batch_size 7 -> 3 groups each -> 4 micro-batches
+    lengths = torch.randint(1, 30, (rows,), generator=g)
+    mask = (torch.arange(30)[None, :] < lengths[:, None]).long()
+    plan = micro_batch_indices(mask, 7, None, group_size=group)
+    assert len(plan) == 4 and sorted(len(m) for m in plan) == [4, 6, 6, 6]  # equal group counts, <= 3 each
+    assert sorted(i for m in plan for i in m) == list(range(rows))
+    for m in plan:
+        assert m == sorted(m)
+        assert all(m[k] % group == 0 and m[k + 1] == m[k] + 1 for k in range(0, len(m), group))
+    tokens = [int(mask[m].sum()) for m in plan]
+    chunks = [int(mask[s : s + 6].sum()) for s in range(0, rows, 6)]
+    assert max(tokens) - min(tokens) < max(chunks) - min(chunks)
+    assert [m[0] for m in plan] == sorted(m[0] for m in plan)  # ordered by first row

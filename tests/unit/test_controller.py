@@ -54,6 +54,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer, log: list) -> None:
         self.tokenizer, self.log, self.loaded = tokenizer, log, []
+        self.last_aborted = 0
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
@@ -69,6 +70,7 @@ class FakeEngine:
         if finish_after is not None:
             order = order[::-1][:finish_after]
             groups = [g if i in order else None for i, g in enumerate(groups)]
+        self.last_aborted = sum(g is None for g in groups)
         for i in order:
             if on_finished is not None:
                 on_finished(i, groups[i])
@@ -215,6 +217,7 @@ def test_over_sampling_aborts_the_slowest_and_serves_them_first_next_step(single
     assert sorted(r.id for r in ctrl.step_rows) == [2, 3, 4, 5]
     assert ctrl.prompt_feed.consumed == {0: [5, 4, 3, 2]} and [r.id for r in ctrl.prompt_feed.queue] == [0, 1]
     assert metrics["rollout/requeued_prompts"] == 2 and metrics["data/queued_prompts"] == 2
+    assert metrics["rollout/aborted_prompts"] == 2
     assert len(policy.batches[0]["rewards"]) == 8  # exactly the share trained
     ctrl.step(2)  # starts 0, 1 (queued) and 6-9; keeps 9, 8, 7, 6; 0 and 1 go back again
     assert sorted(r.id for r in ctrl.step_rows) == [6, 7, 8, 9] and [

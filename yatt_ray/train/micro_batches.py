@@ -4,6 +4,11 @@ Both forms keep a group (a prompt's `group_size` consecutive samples) in one mic
 row indices; the trainer runs one forward (and backward) per list and writes per-row results back at those
 indices, so callers always get rows in their original order.
 
+Fixed size: with k = max(1, micro_batch_size // group_size) groups per micro-batch, the G groups go into
+M = ceil(G / k) micro-batches of equal group count (sizes differ by at most one, none above k) whose token
+sums are balanced by `balance.karmarkar_karp`, the cost of a group being its real tokens. Rows within a
+micro-batch are ascending; micro-batches are ordered by their first row.
+
 Token budget: `plan_micro_batches` plans units (groups) of given lengths so that (units x longest unit) stays
 within the budget, which is what the packed forward computes: `packing.pack_shared_prefix` packs each group
 into one row, padded to the micro-batch's longest. A group's real tokens bound its packed length from above,
@@ -16,6 +21,8 @@ micro-batch always sets its width.
 from __future__ import annotations
 
 import torch
+
+from yatt_ray.train.balance import karmarkar_karp
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -58,21 +65,23 @@ def micro_batch_indices(
     prompt's samples, packed together by `packing.pack_shared_prefix`) stays in one micro-batch.
 
     With `max_tokens` (the token budget) the groups are planned by `plan_micro_batches` over their packed
-    lengths and `micro_batch_size` is ignored; otherwise consecutive chunks of `micro_batch_size` rows,
-    rounded down to whole groups (at least one group).
+    lengths and `micro_batch_size` is ignored; otherwise ceil(G / k) micro-batches of k = `micro_batch_size`
+    rows rounded down to whole groups (at least one group) or fewer, of equal group count and balanced real
+    tokens (Karmarkar-Karp; see the module docstring).
     """
     rows = attention_mask.shape[0]
     groups = [list(range(s, min(s + group_size, rows))) for s in range(0, rows, group_size)]
+    lengths = [int(attention_mask[g].sum()) for g in groups]  # >= the group's packed length
     if max_tokens is not None:
-        lengths = [int(attention_mask[g].sum()) for g in groups]  # >= the group's packed length
         return [[i for k in plan for i in groups[k]] for plan in plan_micro_batches(lengths, max_tokens)]
     if micro_batch_size is None or micro_batch_size < 1:
         raise ValueError(
             f"micro_batch_size={micro_batch_size}: give a micro_batch_size >= 1 or a "
             "max_tokens_per_micro_batch budget."
         )
-    step = max(group_size, micro_batch_size // group_size * group_size)
-    return [list(range(s, min(s + step, rows))) for s in range(0, rows, step)]
+    per_micro = max(1, micro_batch_size // group_size)
+    parts = karmarkar_karp(lengths, -(-len(groups) // per_micro)) if groups else []
+    return [[i for k in part for i in groups[k]] for part in parts]
 
 
 def select_rows(batch: dict, rows: int, index: list[int], device) -> dict:
