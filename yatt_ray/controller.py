@@ -266,24 +266,30 @@ class GroupController:
     def _collect(self, step: int) -> RolloutBatch:
         """Draw, generate and score until the group holds its share of prompt groups; the scored batch.
 
-        Every draw starts `ceil(rollout.over_sample x need)` prompts (queue first, then the stream) and keeps
-        the first `need` to finish; the rest go back to the queue unconsumed. With `algo.dynamic_sampling`,
-        groups whose samples all score the same are dropped (consumed) and the group draws again, at most
-        `algo.max_draws` times; then the batch is topped up with dropped groups. Collective over the
-        controllers (`_lockstep`): every group reads its stream in lockstep (see `yatt_ray.data.feed`).
+        Every draw starts `ceil(rollout.over_sample x need)` prompts (queue first, then the stream); the engine
+        aborts the rest once `need` have finished. Finished groups are taken in finish order; with
+        `algo.dynamic_sampling`, groups whose samples all score the same are dropped (consumed) and more are
+        taken (first the ones that finished past the need, then a new draw), at most `algo.max_draws` draws;
+        then the batch is topped up with dropped groups. What finished but was not taken, and what was
+        aborted, goes back to the queue unconsumed. Collective over the controllers (`_lockstep`): every group
+        reads its stream in lockstep (see `yatt_ray.data.feed`).
         """
         cfg, feed, share = self.config, self.prompt_feed, self.prompts_per_group
-        dynamic, max_draws = (
-            cfg.algo.dynamic_sampling,
-            cfg.algo.max_draws if cfg.algo.dynamic_sampling != "off" else 1,
-        )
+        dynamic = cfg.algo.dynamic_sampling
+        max_draws = cfg.algo.max_draws if dynamic != "off" else 1
         kept: list[Group] = []
         dropped: list[Group] = []
+        spare: list[Group] = []  # finished past the need: taken first by the next round
         self.step_rows = []
         counts = {"draws": 0, "requeued": 0, "aborted": 0}
         self.engine.wake()
         while True:
-            need = share - len(kept) if counts["draws"] < max_draws else 0
+            need = share - len(kept)
+            if spare and need > 0:
+                taken, spare = spare[:need], spare[need:]
+                self._take(taken, kept, dropped)
+                continue
+            need = need if counts["draws"] < max_draws else 0
             want = prompts_to_start(need, cfg.rollout.over_sample)
             if not self._lockstep(feed, want, need):
                 break
@@ -292,18 +298,16 @@ class GroupController:
             counts["draws"] += 1
             rows = feed.pop(want)
             with self.timer.phase("rollout"):
-                groups, back = self._generate(step, counts["draws"], rows, need)
-            counts["aborted"] += self.engine.last_aborted
-            if back:
+                spare, aborted = self._generate(step, counts["draws"], rows, need)
+            if aborted:  # the long tail: stopped in the engine, back to the front of the queue unconsumed
                 with self.recorder.span("aborted", busy=False):
-                    feed.requeue(back)
-                counts["requeued"] += len(back)
-            with self.timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
-                self._score_groups(groups)
-            feed.consume([g.row for g in groups])
-            self.step_rows += [g.row for g in groups]
-            for g in groups:
-                (kept if dynamic == "off" or is_informative(g.rewards, dynamic) else dropped).append(g)
+                    feed.requeue(aborted)
+            counts["aborted"] += len(aborted)
+        back = [g.row for g in spare]
+        if back:  # finished, but not needed this step: back to the queue too
+            with self.recorder.span("requeue", busy=False):
+                feed.requeue(back)
+        counts["requeued"] += counts["aborted"] + len(back)
         informative = len(kept)
         if informative < share:
             log.warning(
@@ -321,7 +325,7 @@ class GroupController:
             **self.scorer.take_stats(),
             **self.memory,
             "rollout/aborted_prompts": float(counts["aborted"]),  # stopped in the engine
-            "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished past the need
+            "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished but not needed
             "data/queued_prompts": float(len(feed.queue)),
         }
         if dynamic != "off":
@@ -333,23 +337,37 @@ class GroupController:
             })  # fmt: skip
         return batch
 
+    def _take(self, groups: list[Group], kept: list[Group], dropped: list[Group]) -> None:
+        """Score `groups`, consume their prompts, and keep the informative ones (all without dynamic sampling)."""
+        dynamic = self.config.algo.dynamic_sampling
+        with self.timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
+            self._score_groups(groups)
+        self.prompt_feed.consume([g.row for g in groups])
+        self.step_rows += [g.row for g in groups]
+        for g in groups:
+            (kept if dynamic == "off" or is_informative(g.rewards, dynamic) else dropped).append(g)
+
     def _lockstep(self, feed, want: int, need: int) -> bool:
         """Every controller reads the same number of rows from its stream (the most any needs beyond its queue)
         and learns whether any group still needs prompts; collective over the controllers."""
-        wanted = torch.tensor([max(want - len(feed.queue), 0), need], dtype=torch.float64)
-        if self.layout.dp_size > 1:
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.dp_group)
-        feed.pull(int(wanted[0].item()))
-        return wanted[1].item() > 0
+        while True:  # more than one round only where a resumed epoch reads past consumed rows
+            wanted = torch.tensor([max(want - len(feed.queue), 0), need], dtype=torch.float64)
+            if self.layout.dp_size > 1:
+                dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.dp_group)
+            if wanted[0].item() == 0:
+                return wanted[1].item() > 0
+            feed.pull(int(wanted[0].item()))
 
     def _generate(self, step: int, draw: int, rows: list, need: int) -> tuple[list[Group], list]:
-        """Start `rows`, keep the first `need` to finish (the rest aborted); (kept groups in finish order, rows
-        to requeue). In partial coexistence the kept groups stream to the GenRM as they finish."""
+        """Start `rows`; the engine aborts the rest once `need` have finished (not in a draw holding a prompt
+        aborted `MAX_ABORTS` times: that one is waited for). (finished groups, pinned first then in finish
+        order; aborted rows). In partial coexistence the first `need` stream to the GenRM as they finish."""
         cfg = self.config
         encoded = [self.tokenizer(str(r.row["prompt"]))["input_ids"] for r in rows]
         prompt_ids = [self._clip_prompt(ids) for ids in encoded]
         spec = self._spec()
         order: list[int] = []
+        streamed: set[int] = set()
 
         def samples_of(i: int, completions: list) -> list[Sample]:
             row = rows[i].row
@@ -367,28 +385,28 @@ class GroupController:
         def finished(i: int, completions: list) -> None:
             order.append(i)
             if self.stream_to_genrm and (len(order) <= need or i in pinned):
+                streamed.add(i)
                 self.scorer.submit(samples_of(i, completions))
 
         pinned = frozenset(i for i, r in enumerate(rows) if r.aborts >= MAX_ABORTS)
         abort = need < len(rows) and not pinned  # a pinned prompt is waited for: no abort in this draw
-        streamed = need < len(rows) or self.stream_to_genrm
+        callback = need < len(rows) or self.stream_to_genrm
         completions = self.engine.generate(
-            prompt_ids, spec, on_finished=finished if streamed else None, finish_after=need if abort else None
+            prompt_ids, spec, on_finished=finished if callback else None, finish_after=need if abort else None
         )
-        kept, back = split_finished(order if streamed else list(range(len(rows))), len(rows), need, pinned)
+        done, aborted = split_finished(order if callback else list(range(len(rows))), len(rows), pinned)
         groups = [
             Group(rows[i], prompt_ids[i], len(encoded[i]) > cfg.data.max_prompt_tokens, completions[i],
-                  samples_of(i, completions[i]))
-            for i in kept
+                  samples_of(i, completions[i]), streamed=i in streamed)
+            for i in done
         ]  # fmt: skip
-        return groups, [rows[i] for i in back]
+        return groups, [rows[i] for i in aborted]
 
     def _score_groups(self, groups: list[Group]) -> None:
         """Rewards of every sample: rules here, GenRM verdicts from the Serve deployment (already judging the
         streamed samples in partial coexistence)."""
         samples = [s for g in groups for s in g.samples]
-        if not self.stream_to_genrm:
-            self.scorer.submit(samples)
+        self.scorer.submit([s for g in groups if not g.streamed for s in g.samples])
         scores = iter(self.scorer.scores(samples))
         for g in groups:
             g.rewards = [next(scores) for _ in g.samples]

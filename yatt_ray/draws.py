@@ -2,7 +2,9 @@
 
 A controller needs `share` prompt groups a step. Each draw starts `ceil(over_sample x need)` prompts, where
 `need` is what it still lacks; the engine stops as soon as `need` groups have all their samples and aborts
-the rest (the long tail), which go back to the front of the group's queue unconsumed. With dynamic sampling
+the rest (the long tail), which go back to the front of the group's queue unconsumed. Groups are taken in
+finish order; those that finished past the need are taken by the next round of the same step (dynamic
+sampling), or go back to the queue too. With dynamic sampling
 (DAPO's filter) a scored group whose samples all score the same carries no signal for a group baseline (every
 advantage is 0), so it is dropped (consumed) and the controller draws again, at most `algo.max_draws` times a
 step. A prompt aborted `MAX_ABORTS` times is not aborted again: the draw that starts it runs to the end
@@ -30,6 +32,7 @@ class Group:
     clipped: bool  # the prompt was longer than data.max_prompt_tokens (kept its last tokens)
     completions: list[Completion]
     samples: list[Sample]
+    streamed: bool = False  # already submitted to the GenRM as it finished (partial coexistence)
     rewards: list[float] = field(default_factory=list)
 
 
@@ -49,15 +52,13 @@ def is_informative(rewards: list[float], metric: DynamicSampling) -> bool:
 
 
 def split_finished(
-    order: list[int], count: int, need: int, pinned: frozenset[int] = frozenset()
+    order: list[int], count: int, pinned: frozenset[int] = frozenset()
 ) -> tuple[list[int], list[int]]:
-    """(kept, back): the `pinned` prompts (aborted `MAX_ABORTS` times) and then the first to finish (in finish
-    `order`) up to `need` are kept; every other one of the `count` started (aborted, or finished past `need`)
-    goes back, in prompt order, so each draw trains exactly `need` groups."""
-    kept = [i for i in order if i in pinned][:need]
-    kept += [i for i in order if i not in pinned][: need - len(kept)]
-    chosen = set(kept)
-    return kept, [i for i in range(count) if i not in chosen]
+    """(finished, aborted) of the `count` prompts started: the finished ones in finish `order` with the `pinned`
+    ones (aborted `MAX_ABORTS` times, kept whatever their finish) first; the rest, in prompt order."""
+    finished = [i for i in order if i in pinned] + [i for i in order if i not in pinned]
+    done = set(finished)
+    return finished, [i for i in range(count) if i not in done]
 
 
 def top_up(kept: list[Group], dropped: list[Group], share: int) -> list[Group]:

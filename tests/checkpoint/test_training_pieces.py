@@ -7,7 +7,7 @@ import pytest
 from yatt_ray.checkpoint import CheckpointStore
 from yatt_ray.checkpoint.training import _split_step
 from yatt_ray.config import load_config
-from yatt_ray.data.feed import ExcludeIds
+from yatt_ray.data.feed import SKIP, MarkConsumed
 from yatt_ray.errors import ConfigError
 from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
 from yatt_ray.testing.faults import FAIL_WRITES
@@ -31,10 +31,10 @@ def test_rewind_keeps_the_redone_steps_last_version():
     assert any(r.kind == "checkpoint" for r in kept)
 
 
-def test_exclude_ids_drops_consumed_rows_and_keeps_order():
+def test_mark_consumed_flags_the_consumed_rows_and_keeps_every_row():
     batch = {"id": np.array([5, 1, 9, 3]), "prompt": np.array(["a", "b", "c", "d"])}
-    out = ExcludeIds([9, 5, 100])(batch)
-    assert out["id"].tolist() == [1, 3] and out["prompt"].tolist() == ["b", "d"]
+    out = MarkConsumed([9, 5, 100])(batch)
+    assert out[SKIP].tolist() == [True, False, True, False] and out["prompt"].tolist() == ["a", "b", "c", "d"]
 
 
 @pytest.mark.parametrize(

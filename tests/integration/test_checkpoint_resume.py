@@ -20,7 +20,10 @@ from yatt_ray.testing.drills import (
     committed_steps,
     corrupt_checkpoint,
     kill_training_worker,
+    newest_position,
     prompt_audit,
+    prompt_records,
+    surviving_records,
     when,
 )
 from yatt_ray.testing.faults import FAIL_WRITES
@@ -182,3 +185,43 @@ def test_checkpoints_on_s3_commit_export_and_resume(ray_cluster, demo_cache, tmp
     second = short_run(url, tmp_path, 4, *options)
     assert second.metric("checkpoint/resumed_from") == [3.0] and train_steps(second) == [1, 2, 3, 4]
     assert store.latest_valid().step == 4
+
+
+def test_dynamic_and_over_sampling_through_a_killed_worker_consume_each_prompt_once_per_epoch(
+    ray_cluster, demo_cache, tmp_path
+):
+    """Dynamic sampling (dropped groups are consumed), over-sampling (aborted prompts are requeued, not
+    consumed) and balancing on a 40-prompt data set, so the run crosses epochs; a worker is killed after the
+    first checkpoint. Every finished epoch consumed each prompt exactly once: none lost, none repeated."""
+    import pyarrow.parquet as pq
+
+    from yatt_ray.tasks.demo import prepare_demo
+
+    small = tmp_path / "small.parquet"
+    pq.write_table(pq.read_table(prepare_demo(Config()).data.train_files[0]).slice(0, 40), small)
+    ckpt, killed = str(tmp_path / "ckpt"), []
+    when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
+    result = short_run(
+        ckpt, tmp_path, 8, f"data.train_files=[{small}]", "algo.dynamic_sampling=reward", "algo.max_draws=3",
+        "rollout.over_sample=1.5", "train.balance=tokens",
+    )  # fmt: skip
+    assert killed and result.metric("checkpoint/resumed_from"), "the drill did not restart the run"
+    assert train_steps(result) == list(range(1, 9))
+    audit = prompt_audit(ckpt)
+    assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
+    kept, _ = surviving_records(prompt_records(ckpt))
+    by_epoch: dict[int, list] = {}
+    for record in kept:
+        for i, epoch in zip(record["ids"], record["epochs"]):
+            by_epoch.setdefault(epoch, []).append(i)
+    ids = set(pq.read_table(small).column("id").to_pylist())
+    position = newest_position(ckpt)
+    assert position is not None and position[0] == 8
+    finished = [e for e in sorted(by_epoch) if e < position[1]]  # older than the oldest open epoch at the end
+    assert finished, f"the run did not finish an epoch: {audit}, {position[1]}"
+    for epoch in finished:
+        assert sorted(by_epoch[epoch]) == sorted(ids), epoch
+    assert (
+        sum(result.metric("dynamic/dropped_groups")) > 0
+        and sum(result.metric("rollout/requeued_prompts")) > 0
+    )

@@ -8,22 +8,23 @@ import numpy as np
 import pytest
 
 from yatt_ray.checkpoint.training import merge_positions, run_position
-from yatt_ray.data.feed import FeedRow, PromptFeed, columns
+from yatt_ray.data.feed import FeedRow, MarkConsumed, PromptFeed, columns
 from yatt_ray.draws import is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.errors import DataError
 
 
 class Shard:
-    """A streaming-split stand-in: the same ids every epoch, in batches (the last one short)."""
+    """A streaming-split stand-in: the same ids every epoch, in batches (the last one short); with `consumed`,
+    those rows are marked as `open_splits` marks a resumed epoch's."""
 
-    def __init__(self, ids: list[int]) -> None:
-        self.ids, self.epochs = ids, 0
+    def __init__(self, ids: list[int], consumed: list[int] | None = None) -> None:
+        self.ids, self.mark = ids, MarkConsumed(consumed) if consumed is not None else None
 
     def iter_batches(self, batch_size: int, batch_format: str, drop_last: bool = False):
-        self.epochs += 1
         for i in range(0, len(self.ids), batch_size):
             chunk = self.ids[i : i + batch_size]
-            yield {"id": np.asarray(chunk), "prompt": np.asarray([f"p{j}" for j in chunk])}
+            batch = {"id": np.asarray(chunk), "prompt": np.asarray([f"p{j}" for j in chunk])}
+            yield self.mark(batch) if self.mark else batch
 
 
 def ids(rows: list[FeedRow]) -> list[int]:
@@ -68,7 +69,7 @@ def test_a_feed_resumed_from_the_merged_position_reads_each_prompt_once_per_epoc
     """Two epochs open at the checkpoint: the resumed feed reads each without its consumed ids, then full ones."""
     data = list(range(8))
     floor, position = merge_positions([(0, {0: [0, 1, 2, 3, 4, 5], 1: [0, 1]}), (0, {0: [6]})])
-    rest = [(e, Shard([i for i in data if i not in consumed])) for e, consumed in position.items()]
+    rest = [(e, Shard(data, consumed)) for e, consumed in position.items()]
     feed = PromptFeed(Shard(data), rest, batch_size=3, epoch=floor, carried=position)
     while feed.epoch < 2:
         next(feed)
@@ -100,9 +101,11 @@ def test_draw_sizes_and_the_group_filter():
     assert prompts_to_start(3, 1.25) == 4 and prompts_to_start(0, 1.5) == 0
     assert is_informative([0.0, 1.0], "reward") and not is_informative([0.5, 0.5], "reward")
     assert not is_informative([0.2, 0.5], "accuracy") and is_informative([0.2, 1.0], "accuracy")
-    # finish order 3, 0, 4 with 2 needed: keep 3 and 0; 4 finished too late and goes back with the aborted
-    assert split_finished([3, 0, 4], count=5, need=2) == ([3, 0], [1, 2, 4])
-    assert split_finished([3, 0, 4, 1], count=5, need=2, pinned=frozenset({1})) == ([1, 3], [0, 2, 4])
+    assert split_finished([3, 0, 4], count=5) == (
+        [3, 0, 4],
+        [1, 2],
+    )  # finish order; the aborted in prompt order
+    assert split_finished([3, 0, 4, 1], count=5, pinned=frozenset({1})) == ([1, 3, 0, 4], [2])
     assert top_up(["a"], ["x", "y", "z"], share=3) == ["a", "y", "z"] and top_up(["a", "b"], ["x"], 2) == [
         "a",
         "b",

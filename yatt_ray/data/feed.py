@@ -8,14 +8,15 @@ next. Every controller records the ids of the prompts it consumes, by epoch: the
 ones dynamic sampling drew and dropped. Prompts started and then aborted (over-sampling) are not consumed: they
 go back to the front of the group's queue. A checkpoint stores, for every epoch some group has not finished
 (the oldest one a group still reads, holds in its queue, or its stream is in), the union of the ids consumed in
-it. A resumed run first reads those epochs again *without* their ids (the same shuffle, so the rest keeps its
-order), oldest first, then full epochs. So each prompt is consumed once per epoch across any number of resumes,
+it. A resumed run first reads those epochs again with their ids marked consumed and read past (the same
+shuffle, so the rest keeps its order), oldest first, then full epochs. So each prompt is consumed once per epoch across any number of resumes,
 whatever the number of groups before and after; what sat in a queue (not consumed) is read again.
 
 Lockstep: a `streaming_split` starts its next epoch only once every split has asked for it, so a group that
 reads further than another would wait for it at the epoch's end while the other waits in a collective of the
-step. The groups therefore read their streams in lockstep (`pull(k)` with the same k on every group; the
-controller agrees k with an all-reduce) and keep what they do not start yet in their queue.
+step. The groups therefore read their streams in lockstep (`pull(k)` with the same k on every group, rounds
+until every group holds what it needs; the controller agrees k with an all-reduce) and keep what they do not
+start yet in their queue.
 
 Each feed fetches one batch ahead in a background thread (`_Prefetch`), so a step's prompts are on hand when
 it starts, and the first fetch (Ray Data's cold start, seconds) overlaps the engine's and trainer's start-up.
@@ -72,24 +73,28 @@ def _stack(values: list) -> np.ndarray:
     return out if any(isinstance(v, np.ndarray) for v in values) else np.asarray(values)
 
 
-class ExcludeIds:
-    """A Ray Data batch function dropping the rows whose "id" is in `ids`."""
+SKIP = "_consumed"  # the column `MarkConsumed` adds: rows a resumed epoch had already consumed
+
+
+class MarkConsumed:
+    """A Ray Data batch function marking (column `SKIP`) the rows whose "id" is in `ids`; the feed reads past
+    them. Marked rather than dropped: every split of the epoch then holds as many rows as in a fresh epoch
+    (`equal=True` leaves out no unconsumed row), and the splits still end together."""
 
     def __init__(self, ids: list) -> None:
         self.ids = np.asarray(ids)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        keep = ~np.isin(batch["id"], self.ids)
-        return {k: v[keep] for k, v in batch.items()}
+        return {**batch, SKIP: np.isin(batch["id"], self.ids)}
 
 
 def open_splits(dataset, dp_size: int, position: Position) -> dict[str, Any]:
-    """On rank 0: {"full": splits of the dataset, "rest": [(epoch, splits without that epoch's consumed ids)],
-    oldest epoch first}; each splits value a list with one iterator per data-parallel group."""
+    """On rank 0: {"full": splits of the dataset, "rest": [(epoch, splits with that epoch's consumed rows
+    marked)], oldest epoch first}; each splits value a list with one iterator per data-parallel group."""
     rest = [
         (
             epoch,
-            dataset.map_batches(ExcludeIds(ids), batch_format="numpy").streaming_split(dp_size, equal=True),
+            dataset.map_batches(MarkConsumed(ids), batch_format="numpy").streaming_split(dp_size, equal=True),
         )
         for epoch, ids in sorted(position.items())
     ]
@@ -125,20 +130,24 @@ class PromptFeed:
         self.last_ids: list = []  # ids of the latest `next()` batch
         self.epoch = self.rest[0][0] if self.rest else epoch  # epoch of the latest row read from the stream
         self._warned_ids = False
-        self._buffer: deque[FeedRow] = deque()  # rows of the fetched batch not pulled yet
+        self._buffer: deque[FeedRow | None] = deque()  # rows of the fetched batch not pulled yet
         self._batches = _Prefetch(self._epochs())
 
     # ---- reading ------------------------------------------------------------------------------------
     def pull(self, k: int) -> None:
-        """Read `k` rows from the stream to the back of the queue (blocks until they arrive)."""
+        """Read `k` rows of the stream (blocks until they arrive); the unconsumed ones join the back of the
+        queue (a resumed epoch's consumed rows are read past)."""
         for _ in range(k):
             if not self._buffer:
                 epoch, batch = next(self._batches)
-                n = len(batch["id"])
-                self._buffer.extend(FeedRow(epoch, {c: v[i] for c, v in batch.items()}) for i in range(n))
+                skip = batch.pop(SKIP, np.zeros(len(batch["id"]), dtype=bool))
+                rows = (FeedRow(epoch, {c: v[i] for c, v in batch.items()}) for i in np.flatnonzero(~skip))
+                self._buffer.extend([None] * int(skip.sum()) + list(rows))  # None: a consumed row's place
+                self.epoch = epoch
             row = self._buffer.popleft()
-            self.epoch = row.epoch
-            self.queue.append(row)
+            if row is not None:
+                self.epoch = row.epoch
+                self.queue.append(row)
 
     def pop(self, k: int) -> list[FeedRow]:
         """Up to `k` rows from the front of the queue."""
@@ -168,7 +177,8 @@ class PromptFeed:
 
     def __next__(self) -> dict:
         """A step of `batch_size` rows (queue first), consumed, as a numpy batch."""
-        self.pull(max(self.batch_size - len(self.queue), 0))
+        while len(self.queue) < self.batch_size:
+            self.pull(self.batch_size - len(self.queue))
         rows = self.pop(self.batch_size)
         self.consume(rows)
         self.last_ids = [r.id for r in rows]
@@ -177,7 +187,7 @@ class PromptFeed:
     # ---- the position -------------------------------------------------------------------------------
     def open_epoch(self) -> int:
         """The oldest epoch this group still reads, holds in its queue, or has its stream in."""
-        held = [r.epoch for r in (*self.queue, *self._buffer)]
+        held = [r.epoch for r in (*self.queue, *self._buffer) if r is not None]
         return min([self.epoch, *held])
 
     def position(self, since: int) -> Position:
