@@ -422,7 +422,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(inner, value, key)
     if origin is typing.Literal:  # membership is checked by validate, with every other problem
-        return value
+        return "off" if value is False and "off" in args else value  # YAML 1.1 reads a bare off as false
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a mapping (for example {key}.endpoint_url=...)")

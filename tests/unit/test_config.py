@@ -190,3 +190,15 @@ def test_new_keys_and_their_defaults():
                               "rollout.ignore_eos=true", "output.verbose=true"])  # fmt: skip
     assert (set_.cluster.cpus_per_worker, set_.cluster.peak_flops) == (2, 312e12)
     assert not set_.checkpoint.enable and set_.rollout.ignore_eos and set_.output.verbose
+
+
+def test_long_tail_keys_validate_and_a_bare_off_reads_as_off():
+    config = load_config(None, ["train.balance=off", "algo.dynamic_sampling=off", "rollout.over_sample=1.5"])
+    assert (config.train.balance, config.algo.dynamic_sampling, config.rollout.over_sample) == ("off", "off", 1.5)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.over_sample=0.9", "algo.max_draws=0", "train.balance=fast"])
+    message = str(err.value)
+    assert "rollout.over_sample=0.9 must be >= 1" in message and "algo.max_draws=0 must be >= 1" in message
+    assert "train.balance='fast' is unknown; valid: flops, off, tokens" in message
+    with pytest.raises(ConfigError, match="rollout.n >= 2 or algo.dynamic_sampling=off"):
+        load_config(None, ["algo.dynamic_sampling=reward", "rollout.n=1", "algo.name=reinforce_pp"])

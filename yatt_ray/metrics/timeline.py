@@ -338,6 +338,24 @@ def write_chrome_trace(path: str | Path, spans: Sequence[Span]) -> Path:
     return out
 
 
+def read_chrome_trace(path: str | Path) -> list[Span]:
+    """The spans of a trace `write_chrome_trace` wrote (times in seconds since its first span)."""
+    events = json.loads(Path(path).read_text(encoding="utf-8"))["traceEvents"]
+    names = {
+        (e["name"], e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e["name"] in ("process_name", "thread_name")
+    }
+    return [
+        Span(
+            e["cat"], names[("thread_name", e["pid"], e["tid"])], names[("process_name", e["pid"], None)],
+            e["name"], int(e["args"]["step"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, bool(e["args"]["busy"]),
+        )
+        for e in events
+        if e["ph"] == "X"
+    ]  # fmt: skip
+
+
 def plot_gantt(spans: Sequence[Span], path: str | Path, title: str | None = None) -> Path:
     """A Gantt chart of phases: one row per (accelerator, worker), one colour per phase (legend), seconds
     since the first span on the x axis. Non-busy spans are hatched and pale; idle gaps stay white; dotted

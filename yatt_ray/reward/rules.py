@@ -37,6 +37,22 @@ def exact_match(response: str, ground_truth: str, data_source: str = "") -> floa
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
+@REWARD_FUNCTIONS.register("prefix_match")
+def prefix_match(response: str, ground_truth: str, data_source: str = "") -> float:
+    """Partial credit for long answers (the longtail copy task): 1.0 for an exact match (both stripped of
+    surrounding white space), else the length of their common prefix over the longer of the two, which is < 1
+    (a response that stops early, goes wrong midway or runs on past the answer all lose credit)."""
+    response, ground_truth = response.strip(), ground_truth.strip()
+    if response == ground_truth:
+        return 1.0
+    common = 0
+    for a, b in zip(response, ground_truth):
+        if a != b:
+            break
+        common += 1
+    return common / max(len(response), len(ground_truth))
+
+
 def resolve_reward_fn(name: str) -> RewardFn:
     """A registered name, or a dotted path `pkg.mod:fn` / `pkg.mod.fn` to a user function (sync or async)."""
     if name in REWARD_FUNCTIONS:
