@@ -29,7 +29,9 @@ PlacementMode = Literal["full", "partial"]
 PlacementStrategy = Literal["PACK", "SPREAD"]
 AlgoName = Literal["grpo", "ppo", "rloo", "reinforce_pp", "remax"]  # each names its estimator; ppo: gae
 WandbMode = Literal["", "online", "offline", "disabled"]
-DynamicSampling = Literal["off", "reward", "accuracy"]  # DAPO's group filter: the value that must vary in a group
+DynamicSampling = Literal[
+    "off", "reward", "accuracy"
+]  # DAPO's group filter: the value that must vary in a group
 BalanceMode = Literal["off", "tokens", "flops"]  # data-parallel load balancing of the train phase
 DemoTask = Literal["arithmetic", "longtail"]
 
@@ -87,6 +89,9 @@ class RolloutConfig(_Section):
     # long-tail control: start ceil(over_sample x share) prompts, keep the first `share` whose samples all
     # finish, abort the rest in the engine and serve them first next step (1.0 = off)
     over_sample: float = 1.0
+    # a prompt aborted this often is waited for the next time it starts (its step pays its tail), so none stays
+    # in the queue for ever; null never waits (the longest prompts may then never train)
+    max_aborts: int | None = 3
 
 
 @dataclass
@@ -510,6 +515,8 @@ def _rollout_errors(r: RolloutConfig) -> list[str]:
         (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
         (r.over_sample >= 1, f"rollout.over_sample={r.over_sample} must be >= 1 (1 = generate exactly the "
          "share; 1.25 starts 25% more prompts and aborts the slowest)"),
+        (r.max_aborts is None or r.max_aborts >= 1,
+         f"rollout.max_aborts={r.max_aborts} must be >= 1 (or null: never wait for an aborted prompt)"),
     ])  # fmt: skip
 
 

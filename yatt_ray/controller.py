@@ -33,7 +33,7 @@ from yatt_ray.algos import (
 from yatt_ray.batch import RolloutBatch, pack
 from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.config import Config
-from yatt_ray.draws import MAX_ABORTS, Group, is_informative, prompts_to_start, split_finished, top_up
+from yatt_ray.draws import Group, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
@@ -359,8 +359,8 @@ class GroupController:
             feed.pull(int(wanted[0].item()))
 
     def _generate(self, step: int, draw: int, rows: list, need: int) -> tuple[list[Group], list]:
-        """Start `rows`; the engine aborts the rest once `need` have finished (not in a draw holding a prompt
-        aborted `MAX_ABORTS` times: that one is waited for). (finished groups, pinned first then in finish
+        """Start `rows`; the engine aborts the rest once `need` have finished, and the prompts aborted
+        `rollout.max_aborts` times already (those are waited for). (finished groups, pinned first then in finish
         order; aborted rows). In partial coexistence the first `need` stream to the GenRM as they finish."""
         cfg = self.config
         encoded = [self.tokenizer(str(r.row["prompt"]))["input_ids"] for r in rows]
@@ -388,11 +388,18 @@ class GroupController:
                 streamed.add(i)
                 self.scorer.submit(samples_of(i, completions))
 
-        pinned = frozenset(i for i, r in enumerate(rows) if r.aborts >= MAX_ABORTS)
-        abort = need < len(rows) and not pinned  # a pinned prompt is waited for: no abort in this draw
-        callback = need < len(rows) or self.stream_to_genrm
+        limit = cfg.rollout.max_aborts
+        pinned = frozenset(
+            i for i, r in enumerate(rows) if limit is not None and r.aborts >= limit
+        )  # waited for
+        abort = need < len(rows)
+        callback = abort or self.stream_to_genrm
         completions = self.engine.generate(
-            prompt_ids, spec, on_finished=finished if callback else None, finish_after=need if abort else None
+            prompt_ids,
+            spec,
+            on_finished=finished if callback else None,
+            finish_after=need if abort else None,
+            wait_for=pinned if abort else frozenset(),
         )
         done, aborted = split_finished(order if callback else list(range(len(rows))), len(rows), pinned)
         groups = [

@@ -7,8 +7,10 @@ finish order; those that finished past the need are taken by the next round of t
 sampling), or go back to the queue too. With dynamic sampling
 (DAPO's filter) a scored group whose samples all score the same carries no signal for a group baseline (every
 advantage is 0), so it is dropped (consumed) and the controller draws again, at most `algo.max_draws` times a
-step. A prompt aborted `MAX_ABORTS` times is not aborted again: the draw that starts it runs to the end
-and keeps it (one step pays its tail), so no prompt waits in the queue for ever. The pure pieces live here; the controller (`GroupController._collect`) drives the engine, the scorer
+step. A prompt aborted `rollout.max_aborts` times is not aborted again: the engine waits for it before it
+aborts the others (that step pays its tail), so no prompt waits in the queue for ever. Where a prompt's
+length is fixed (every sample as long), that bounds what over-sampling can save: in steady state a step
+keeps waiting for some long prompt; where lengths vary from sample to sample, a restart often finishes early. The pure pieces live here; the controller (`GroupController._collect`) drives the engine, the scorer
 and the feed.
 """
 
@@ -36,9 +38,6 @@ class Group:
     rewards: list[float] = field(default_factory=list)
 
 
-MAX_ABORTS = 2  # a prompt aborted this often is kept the next time it is started
-
-
 def prompts_to_start(need: int, over_sample: float) -> int:
     """ceil(over_sample x need): the prompts a draw starts to finish `need` groups (0 when nothing is needed)."""
     return math.ceil(over_sample * need - 1e-9) if need > 0 else 0
@@ -55,7 +54,7 @@ def split_finished(
     order: list[int], count: int, pinned: frozenset[int] = frozenset()
 ) -> tuple[list[int], list[int]]:
     """(finished, aborted) of the `count` prompts started: the finished ones in finish `order` with the `pinned`
-    ones (aborted `MAX_ABORTS` times, kept whatever their finish) first; the rest, in prompt order."""
+    ones (aborted `rollout.max_aborts` times, kept whatever their finish) first; the rest, in prompt order."""
     finished = [i for i in order if i in pinned] + [i for i in order if i not in pinned]
     done = set(finished)
     return finished, [i for i in range(count) if i not in done]

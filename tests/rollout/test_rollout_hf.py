@@ -200,3 +200,15 @@ def test_finish_after_counts_length_finished_prompts(model_dirs, ref):
 def test_finish_after_out_of_range_is_a_config_error(engine, ref, k):
     with pytest.raises(ConfigError, match=rf"finish_after={k!r} must be None or an int in \[1, 4\]"):
         engine.generate(ref.prompts, SamplingSpec(n=1, max_new_tokens=2), finish_after=k)
+
+
+def test_finish_after_waits_for_the_prompts_it_must_keep(engine, ref, old_weights):
+    """`wait_for`: the longest prompt is kept with k=1 (the engine runs until it is done); the others that
+    finished by then are kept too, the rest aborted."""
+    spec = SamplingSpec(n=1, max_new_tokens=24, temperature=0.0, stop_token_ids=ref.tail_stops)
+    lengths = ref.group_lengths(engine.generate(ref.tail_prompts, spec))
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    outs = engine.generate(ref.tail_prompts, spec, finish_after=1, wait_for=frozenset({longest}))
+    assert outs[longest] is not None and len(outs[longest][0].token_ids) == lengths[longest]
+    with pytest.raises(ConfigError, match="wait_for"):
+        engine.generate(ref.tail_prompts, spec, wait_for=frozenset({0}))

@@ -234,3 +234,16 @@ def test_a_failing_on_finished_leaves_no_requests_behind(engine, ref, old_weight
 def test_finish_after_out_of_range_is_a_config_error(engine, ref, k):
     with pytest.raises(ConfigError, match=rf"finish_after={k!r} must be None or an int in \[1, 8\]"):
         engine.generate(ref.tail_prompts, SamplingSpec(n=1, max_new_tokens=2), finish_after=k)
+
+
+def test_finish_after_waits_for_the_prompts_it_must_keep(engine, ref, old_weights):
+    """`wait_for`: with k=1 the engine still runs until the longest prompt is done, then aborts what is left."""
+    spec = SamplingSpec(n=2, max_new_tokens=24, seed=3, stop_token_ids=ref.tail_stops)
+    reference = engine.generate(ref.tail_prompts, spec)
+    lengths = ref.group_lengths(reference)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    outs = engine.generate(ref.tail_prompts, spec, finish_after=1, wait_for=frozenset({longest}))
+    assert outs[longest] is not None
+    assert ref.token_ids([outs[longest]]) == ref.token_ids([reference[longest]])
+    assert all(g is not None for g in outs)  # the longest finishes last: nothing is left to abort
+    _assert_no_requests_left(engine)

@@ -194,7 +194,11 @@ def test_new_keys_and_their_defaults():
 
 def test_long_tail_keys_validate_and_a_bare_off_reads_as_off():
     config = load_config(None, ["train.balance=off", "algo.dynamic_sampling=off", "rollout.over_sample=1.5"])
-    assert (config.train.balance, config.algo.dynamic_sampling, config.rollout.over_sample) == ("off", "off", 1.5)
+    assert (config.train.balance, config.algo.dynamic_sampling, config.rollout.over_sample) == (
+        "off",
+        "off",
+        1.5,
+    )
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollout.over_sample=0.9", "algo.max_draws=0", "train.balance=fast"])
     message = str(err.value)

@@ -59,7 +59,7 @@ class FakeEngine:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
 
-    def generate(self, prompts, spec, on_finished=None, finish_after=None):
+    def generate(self, prompts, spec, on_finished=None, finish_after=None, wait_for=frozenset()):
         """Without `finish_after`, every prompt in order; with it, the last prompts finish first (the long tail
         is at the front) and the engine stops after `finish_after` of them, the rest aborted (None)."""
         self.log.append("generate")
@@ -67,8 +67,9 @@ class FakeEngine:
             [Completion(self._ids(str(3 + j)), [-0.5, -0.5], "stop") for j in range(spec.n)] for _ in prompts
         ]
         order = list(range(len(prompts)))
-        if finish_after is not None:
+        if finish_after is not None:  # then those waited for, when the engine stops only after them
             order = order[::-1][:finish_after]
+            order += [i for i in sorted(wait_for) if i not in order]
             groups = [g if i in order else None for i, g in enumerate(groups)]
         self.last_aborted = sum(g is None for g in groups)
         for i in order:
@@ -212,7 +213,7 @@ def test_dynamic_sampling_tops_up_when_the_draws_run_out(single_process_world, c
 
 
 def test_over_sampling_aborts_the_slowest_and_serves_them_first_next_step(single_process_world):
-    ctrl, log, policy, _, _ = controller(**{"rollout.over_sample": 1.5})
+    ctrl, log, policy, _, _ = controller(**{"rollout.over_sample": 1.5, "rollout.max_aborts": 2})
     metrics = ctrl.step(1)  # starts 6 prompts (ids 0-5); 5, 4, 3, 2 finish first; 0 and 1 are aborted
     assert sorted(r.id for r in ctrl.step_rows) == [2, 3, 4, 5]
     assert ctrl.prompt_feed.consumed == {0: [5, 4, 3, 2]} and [r.id for r in ctrl.prompt_feed.queue] == [0, 1]
@@ -223,6 +224,6 @@ def test_over_sampling_aborts_the_slowest_and_serves_them_first_next_step(single
     assert sorted(r.id for r in ctrl.step_rows) == [6, 7, 8, 9] and [
         r.id for r in ctrl.prompt_feed.queue
     ] == [0, 1]
-    ctrl.step(3)  # aborted twice: 0 and 1 are waited for (no abort) and kept, with the first two others
-    assert sorted(r.id for r in ctrl.step_rows) == [0, 1, 10, 11]
-    assert [r.id for r in ctrl.prompt_feed.queue] == [12, 13] and log.count("generate") == 3
+    ctrl.step(3)  # aborted twice: 0 and 1 are waited for and kept, with the first two others to finish
+    assert sorted(r.id for r in ctrl.step_rows) == [0, 1, 12, 13]
+    assert [r.id for r in ctrl.prompt_feed.queue] == [11, 10] and log.count("generate") == 3  # finish order

@@ -188,7 +188,9 @@ class TrainingCheckpoints:
         run = entries(0, [RUN_ENTRY])[RUN_ENTRY]
         if self.layout.rank < meta["world_size"]:
             set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
-        return Resumed(step, int(run["epoch"]), run_position(run), float(run["kl"]), _rows(run["history"]), root)
+        return Resumed(
+            step, int(run["epoch"]), run_position(run), float(run["kl"]), _rows(run["history"]), root
+        )
 
     def _drop_newer(self, step: int) -> None:
         """Remove this run's checkpoints after `step` (a dead attempt's, or damaged): the redone steps replace

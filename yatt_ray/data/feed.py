@@ -18,7 +18,7 @@ step. The groups therefore read their streams in lockstep (`pull(k)` with the sa
 until every group holds what it needs; the controller agrees k with an all-reduce) and keep what they do not
 start yet in their queue.
 
-Each feed fetches one batch ahead in a background thread (`_Prefetch`), so a step's prompts are on hand when
+Each feed fetches two batches ahead in a background thread (`_Prefetch`), so a step's prompts are on hand when
 it starts, and the first fetch (Ray Data's cold start, seconds) overlaps the engine's and trainer's start-up.
 Rows fetched ahead are not consumed: the position changes only through `consume`.
 
@@ -214,10 +214,10 @@ class PromptFeed:
 
 
 class _Prefetch:
-    """An iterator run one item ahead in a daemon thread; its exceptions are raised to the consumer."""
+    """An iterator run `depth` items ahead in a daemon thread; its exceptions are raised to the consumer."""
 
-    def __init__(self, source: Iterator) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
+    def __init__(self, source: Iterator, depth: int = 2) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)  # batches held ahead (over-sampling pulls > 1)
         threading.Thread(target=self._run, args=(source,), name="prompt-prefetch", daemon=True).start()
 
     def _run(self, source: Iterator) -> None:

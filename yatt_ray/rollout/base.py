@@ -153,6 +153,7 @@ class RolloutEngine(Protocol):
         on_finished: OnFinished | None = None,
         *,
         finish_after: int,
+        wait_for: frozenset[int] = frozenset(),
     ) -> list[list[Completion] | None]: ...
 
     def generate(
@@ -161,6 +162,7 @@ class RolloutEngine(Protocol):
         spec: SamplingSpec,
         on_finished: OnFinished | None = None,
         finish_after: int | None = None,
+        wait_for: frozenset[int] = frozenset(),
     ) -> list[list[Completion]] | list[list[Completion] | None]:
         """Outer list: one entry per prompt, in order; inner list: `spec.n` completions.
 
@@ -174,7 +176,8 @@ class RolloutEngine(Protocol):
         finish in the same engine step: all are kept, the caller chooses); each aborted prompt's entry is
         `None`, and `last_aborted` counts them. `on_finished` is called for the finished prompts only. The
         engine holds no leftover requests afterwards: the next call starts clean. With `finish_after=None`
-        (the default) every prompt runs to the end and `last_aborted` is 0.
+        (the default) every prompt runs to the end and `last_aborted` is 0. `wait_for` (prompt indices, with
+        `finish_after` only): prompts the engine never aborts; it stops once k are finished *and* these are.
 
         Prompts are token ids with BOS already included; none may be empty, and
         `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length.
@@ -227,8 +230,18 @@ def validate_prompts(
         raise ConfigError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
 
 
-def check_finish_after(finish_after: int | None, num_prompts: int) -> None:
-    """`finish_after` must be None or an int in [1, num_prompts]; raises `ConfigError` naming the value."""
+def check_finish_after(
+    finish_after: int | None, num_prompts: int, wait_for: frozenset[int] = frozenset()
+) -> None:
+    """`finish_after` must be None or an int in [1, num_prompts], and `wait_for` prompt indices (with
+    `finish_after` only); raises `ConfigError` naming the value."""
+    if wait_for and (
+        finish_after is None or not all(isinstance(i, int) and 0 <= i < num_prompts for i in wait_for)
+    ):
+        raise ConfigError(
+            f"wait_for={sorted(wait_for)!r} must hold prompt indices in [0, {num_prompts}) and come with "
+            "finish_after (prompts the engine does not abort)"
+        )
     if finish_after is None:
         return
     if (

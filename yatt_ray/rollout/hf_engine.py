@@ -118,6 +118,7 @@ class HFEngine:
         on_finished: OnFinished | None = None,
         *,
         finish_after: int,
+        wait_for: frozenset[int] = frozenset(),
     ) -> list[list[Completion] | None]: ...
 
     def generate(
@@ -126,15 +127,17 @@ class HFEngine:
         spec: SamplingSpec,
         on_finished: OnFinished | None = None,
         finish_after: int | None = None,
+        wait_for: frozenset[int] = frozenset(),
     ) -> list[list[Completion]] | list[list[Completion] | None]:
         """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done.
 
         With `finish_after=k`, a batch's `generate` ends as soon as k prompts are complete (counting those of
-        earlier batches), later batches are skipped, and prompts with an unfinished row are None.
+        earlier batches) and so are those of `wait_for` it holds, later batches are skipped once no `wait_for`
+        prompt is left in them, and prompts with an unfinished row are None.
         """
         self._check_usable("generate")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
-        check_finish_after(finish_after, len(prompts))
+        check_finish_after(finish_after, len(prompts), wait_for)
         if self._asleep:
             raise YattError("HFEngine.generate called while asleep: call wake() first")
         self.last_aborted = 0
@@ -146,12 +149,13 @@ class HFEngine:
         groups: list[list[Completion] | None] = [None] * len(prompts)
         complete = 0
         for chunk_index, start in enumerate(range(0, len(rows), size)):
-            if finish_after is not None and complete >= finish_after:
+            waiting = any(groups[i] is None for i in wait_for)
+            if finish_after is not None and complete >= finish_after and not waiting:
                 break
             seed = None if spec.seed is None else derive_seed(spec.seed, chunk_index)
             stopper = None
             if finish_after is not None:  # completed per batch with its prompt width
-                stopper = partial(_GroupsDone, start, len(rows), n, finish_after, stops)
+                stopper = partial(_GroupsDone, start, len(rows), n, finish_after, stops, wait_for)
             done.extend(self._generate_batch(rows[start : start + size], spec, seed, stopper))
             for i in range(start // n, len(done) // n):  # prompts whose rows are all in by now
                 group = done[i * n : (i + 1) * n]
@@ -293,7 +297,7 @@ def _finished(completion: Completion, spec: SamplingSpec) -> bool:
 
 
 class _GroupsDone(StoppingCriteria):
-    """Ends a batch's `generate` once `k` prompts have all `n` rows finished.
+    """Ends a batch's `generate` once `k` prompts, and every prompt of `wait_for`, have all `n` rows finished.
 
     The batch holds rows `[start, start + batch)` of the call's `total` rows (prompt-major, `n` per prompt),
     left-padded to `width` prompt tokens: rows before it ran in earlier, complete batches (so they count as
@@ -301,9 +305,19 @@ class _GroupsDone(StoppingCriteria):
     reaching `max_new_tokens` ends the whole batch anyway. Tensor ops only, so no device sync per step.
     """
 
-    def __init__(self, start: int, total: int, n: int, k: int, stops: tuple[int, ...], width: int) -> None:
+    def __init__(
+        self,
+        start: int,
+        total: int,
+        n: int,
+        k: int,
+        stops: tuple[int, ...],
+        wait_for: frozenset[int],
+        width: int,
+    ) -> None:
         self.start, self.total, self.n, self.k, self.width = start, total, n, k, width
         self.stops = torch.tensor(stops, dtype=torch.long)
+        self.wait_for = torch.tensor(sorted(wait_for), dtype=torch.long)
 
     def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
         batch = input_ids.shape[0]
@@ -311,5 +325,6 @@ class _GroupsDone(StoppingCriteria):
         rows = torch.zeros(self.total, dtype=torch.bool, device=input_ids.device)
         rows[: self.start] = True
         rows[self.start : self.start + batch] = stopped
-        enough = rows.view(-1, self.n).all(dim=1).sum() >= self.k
+        done = rows.view(-1, self.n).all(dim=1)
+        enough = (done.sum() >= self.k) & done[self.wait_for.to(done.device)].all()
         return enough.expand(batch)  # type: ignore[return-value]

@@ -223,6 +223,7 @@ class VLLMEngine:
         on_finished: OnFinished | None = None,
         *,
         finish_after: int,
+        wait_for: frozenset[int] = frozenset(),
     ) -> list[list[Completion] | None]: ...
 
     def generate(
@@ -231,6 +232,7 @@ class VLLMEngine:
         spec: SamplingSpec,
         on_finished: OnFinished | None = None,
         finish_after: int | None = None,
+        wait_for: frozenset[int] = frozenset(),
     ) -> list[list[Completion]] | list[list[Completion] | None]:
         """`LLM.generate` for a plain call; step by step (`_generate_streaming`) with `on_finished` or
         `finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request)."""
@@ -242,7 +244,7 @@ class VLLMEngine:
         if self._asleep:
             raise YattError("VLLMEngine.generate called while asleep: call wake() first")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
-        check_finish_after(finish_after, len(prompts))
+        check_finish_after(finish_after, len(prompts), wait_for)
         stops = list(spec.stops(self.eos_token_ids))
         params = [
             SamplingParams(
@@ -266,16 +268,21 @@ class VLLMEngine:
             if on_finished is None and finish_after is None:
                 outputs = self._llm.generate(requests, params, use_tqdm=False)
                 return [_group(out) for out in outputs]
-            return self._generate_streaming(requests, params, on_finished, finish_after)
+            return self._generate_streaming(requests, params, on_finished, finish_after, wait_for)
 
     def _generate_streaming(
-        self, requests: list, params: list, on_finished: OnFinished | None, finish_after: int | None
+        self,
+        requests: list,
+        params: list,
+        on_finished: OnFinished | None,
+        finish_after: int | None,
+        wait_for: frozenset[int] = frozenset(),
     ) -> list[list[Completion] | None]:
         """Drive the engine step by step and hand each prompt's group to `on_finished` as soon as all its
         samples are done (the same requests and seeds as `LLM.generate`, so the same tokens).
 
-        Once `finish_after` groups are done (after the step that finished them, so all groups of that step
-        are kept), the requests still running are aborted; so are they when anything raises, so the engine
+        Once `finish_after` groups and every `wait_for` one are done (after the step that finished them, so
+        all groups of that step are kept), the requests still running are aborted; so are they when anything raises, so the engine
         never keeps requests of an earlier call.
         """
         from vllm.sampling_params import RequestOutputKind
@@ -300,7 +307,8 @@ class VLLMEngine:
                         finished += 1
                         if on_finished is not None:
                             on_finished(i, group)
-                if finish_after is not None and finished >= finish_after:
+                waiting = any(groups[i] is None for i in wait_for)
+                if finish_after is not None and finished >= finish_after and not waiting:
                     break
         finally:
             pending = [internal[i] for i in internal if groups[i] is None]

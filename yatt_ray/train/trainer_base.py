@@ -144,7 +144,9 @@ class MegatronTrainerBase:
         totals: dict[str, float] = {}
         self.forward_tokens = 0
         with self._part("forward_backward"):
-            for index in micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens, group_size):
+            for index in micro_batch_indices(
+                batch["attention_mask"], micro_batch_size, max_tokens, group_size
+            ):
                 loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
                 loss.backward()
                 for k, v in metrics.items():
