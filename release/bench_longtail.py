@@ -128,9 +128,10 @@ def main(argv: list[str]) -> None:
     gantt(tokens, out / "gantt_balance_tokens.png")
     full = [r["dynamic/batch_full"] >= DP for r in dynamic.measured()]
     base = tokens.median("time/rollout")
-    cuts = {o: 1 - r.median("time/rollout") / base for o, r in (("1.25", os125), ("1.5", os150))}
+    cuts = {o: 1 - r.median("time/rollout") / base for o, r in (("1.25", os125), ("1.5", os150), ("pure", pure))}
     print(
-        f"\nrollout cut: 1.25 -> {cuts['1.25']:.1%}, 1.5 -> {cuts['1.5']:.1%} (same samples a step: {same.pop()})"
+        f"\nrollout cut: over_sample 1.25 -> {cuts['1.25']:.1%}, 1.5 -> {cuts['1.5']:.1%}; 1.5 never waiting for "
+        f"an aborted prompt (rollout.max_aborts=null) -> {cuts['pure']:.1%} (samples a step: {same.pop()})"
     )
     print(f"train idle: balance off {off.train_idle_s():.2f} s, tokens {tokens.train_idle_s():.2f} s")
     print(f"dynamic sampling: kept {dynamic.median('dynamic/drawn_groups') - dynamic.median('dynamic/dropped_groups'):.0f} "

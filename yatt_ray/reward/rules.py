@@ -37,6 +37,19 @@ def exact_match(response: str, ground_truth: str, data_source: str = "") -> floa
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
+@REWARD_FUNCTIONS.register("repeat_match")
+def repeat_match(response: str, ground_truth: str, data_source: str = "") -> float:
+    """The longtail task's reward: 1.0 when the response is the ground truth once or several times joined by
+    ">" (the warmed-up policy runs on a random number of copies), else `prefix_match` against the ground
+    truth repeated as often as the response's length suggests (< 1)."""
+    response, ground_truth = response.strip(), ground_truth.strip()
+    parts = response.split(">")
+    if ground_truth and all(p == ground_truth for p in parts):
+        return 1.0
+    copies = max(1, round((len(response) + 1) / (len(ground_truth) + 1)))
+    return prefix_match(response, ">".join([ground_truth] * copies))
+
+
 @REWARD_FUNCTIONS.register("prefix_match")
 def prefix_match(response: str, ground_truth: str, data_source: str = "") -> float:
     """Partial credit for long answers (the longtail copy task): 1.0 for an exact match (both stripped of

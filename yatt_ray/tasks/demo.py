@@ -37,7 +37,7 @@ LONGTAIL_MAX_POSITIONS = 320
 
 def demo_cache_dir(demo: DemoConfig) -> Path:
     root = Path(os.environ.get("YATT_RAY_CACHE", Path.home() / ".cache" / "yatt_ray"))
-    recipe = {"format": 2, **asdict(demo)}  # bump "format" when the model or task code changes
+    recipe = {"format": 2, **asdict(demo), **({"longtail_format": 2} if demo.task == "longtail" else {})}  # bump "format" when the model or task code changes
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"demo-{key}"
 
@@ -116,6 +116,8 @@ def _build_warm_model(model_dir: Path, demo: DemoConfig) -> None:
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     rows = demo_problems(demo, demo.sft_steps * SFT_BATCH, seed=1, id_offset=10**9)
     if is_longtail:
+        rng = random.Random(2)
+        rows = [{**r, "ground_truth": longtail.warmup_answer(r["ground_truth"], rng)} for r in rows]
         rows.sort(key=lambda r: len(r["ground_truth"]))
     batches = [rows[i : i + SFT_BATCH] for i in range(0, len(rows), SFT_BATCH)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

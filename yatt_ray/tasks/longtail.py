@@ -4,9 +4,12 @@ Each row's `prompt` is a random string followed by ">" (e.g. "qkzw>"), its `grou
 ("qkzw"), `data_source` "longtail", plus a unique `id`. The answer is as long as the string (plus EOS), so a
 policy that has learnt to copy answers with the strings' lengths, and those are heavy-tailed: most answers are
 a few tokens, a few are over 100. That is the workload long-tail control (over-sampling with abort of the
-stragglers, `rollout.over_sample`) and data-parallel balancing (`train.balance`) are made for. The rule reward
-is `prefix_match` (`yatt_ray.reward.rules`): 1.0 for the exact string, else the length of the matched prefix
-over the longer of the two (< 1), so partial copies of long strings still give GRPO a signal.
+stragglers, `rollout.over_sample`) and data-parallel balancing (`train.balance`) are made for. The warm-up
+teaches the model to copy the string once or more (`warmup_answer`: K copies joined by ">", K - 1 geometric
+with mean 1), so lengths also vary from sample to sample of one prompt, as real generations do. The rule
+reward is `repeat_match` (`yatt_ray.reward.rules`): 1.0 for the string once or repeated, else the matched
+prefix over the longer of response and nearest repeated answer (< 1), so partial copies still give GRPO a
+signal.
 
 Lengths: L = clip(round(exp(N(ln 8, 1.1^2))), 2, 120), a log-normal with median 8 clipped to [2, 120]. Over
 100,000 draws (seed 0) the quantiles of L are
@@ -32,6 +35,20 @@ SEPARATOR = ">"  # ends the string in the prompt (not in the alphabet): where th
 MEDIAN_LENGTH = 8
 SIGMA = 1.1  # standard deviation of ln L before clipping
 MIN_LENGTH, MAX_LENGTH = 2, 120
+REPEAT = 0.5  # the warm-up's answers run on: after each copy, another one follows with this probability
+MAX_ANSWER = 120  # characters of a warm-up answer, repeats and separators included
+
+
+def warmup_answer(text: str, rng: random.Random, repeat: float = REPEAT, max_answer: int = MAX_ANSWER) -> str:
+    """The supervised target for `text`: the string K times joined by SEPARATOR, K - 1 ~ Geometric(repeat)
+    (P(K = k) = (1 - repeat) repeat^(k-1), mean 1 / (1 - repeat)), K capped so the answer fits `max_answer`
+    (at least once). A policy warmed up on it samples its own number of copies, so one prompt's samples have
+    different lengths (L, 2L + 1, 3L + 2, ...): the per-sample long tail of real generations."""
+    cap = max(1, (max_answer + 1) // (len(text) + 1))
+    copies = 1
+    while copies < cap and rng.random() < repeat:
+        copies += 1
+    return SEPARATOR.join([text] * copies)
 
 
 def sample_length(
