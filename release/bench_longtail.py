@@ -128,7 +128,9 @@ def main(argv: list[str]) -> None:
     gantt(tokens, out / "gantt_balance_tokens.png")
     full = [r["dynamic/batch_full"] >= DP for r in dynamic.measured()]
     base = tokens.median("time/rollout")
-    cuts = {o: 1 - r.median("time/rollout") / base for o, r in (("1.25", os125), ("1.5", os150), ("pure", pure))}
+    cuts = {
+        o: 1 - r.median("time/rollout") / base for o, r in (("1.25", os125), ("1.5", os150), ("pure", pure))
+    }
     print(
         f"\nrollout cut: over_sample 1.25 -> {cuts['1.25']:.1%}, 1.5 -> {cuts['1.5']:.1%}; 1.5 never waiting for "
         f"an aborted prompt (rollout.max_aborts=null) -> {cuts['pure']:.1%} (samples a step: {same.pop()})"

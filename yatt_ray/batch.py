@@ -128,7 +128,7 @@ def pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_id: 
         out = value.new_full((value.shape[0], value.shape[1] + before + right), fill)
         out[:, before : before + value.shape[1]] = value
         padded[name] = out
-    return dataclasses.replace(batch, prompt_width=prompt_width, **padded)
+    return dataclasses.replace(batch, prompt_width=prompt_width, **padded)  # type: ignore[arg-type]
 
 
 def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
@@ -152,5 +152,5 @@ def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
         truncated=sum(b.truncated for b in batches),
         prompts_clipped=sum(b.prompts_clipped for b in batches),
         counters=dict(batches[0].counters),
-        **joined,
+        **joined,  # type: ignore[arg-type]
     )

@@ -47,7 +47,7 @@ def repeat_match(response: str, ground_truth: str, data_source: str = "") -> flo
     if ground_truth and all(p == ground_truth for p in parts):
         return 1.0
     copies = max(1, round((len(response) + 1) / (len(ground_truth) + 1)))
-    return prefix_match(response, ">".join([ground_truth] * copies))
+    return prefix_match(response, ">".join([ground_truth] * copies), data_source)
 
 
 @REWARD_FUNCTIONS.register("prefix_match")

@@ -37,7 +37,11 @@ LONGTAIL_MAX_POSITIONS = 320
 
 def demo_cache_dir(demo: DemoConfig) -> Path:
     root = Path(os.environ.get("YATT_RAY_CACHE", Path.home() / ".cache" / "yatt_ray"))
-    recipe = {"format": 2, **asdict(demo), **({"longtail_format": 2} if demo.task == "longtail" else {})}  # bump "format" when the model or task code changes
+    recipe = {
+        "format": 2,
+        **asdict(demo),
+        **({"longtail_format": 2} if demo.task == "longtail" else {}),
+    }  # bump "format" when the model or task code changes
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"demo-{key}"
 

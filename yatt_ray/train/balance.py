@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ MODES = ("tokens", "flops")
 
 
 # ---- partitioning ---------------------------------------------------------------------------------------
-def karmarkar_karp(costs: list[float], parts: int) -> list[list[int]]:
+def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
     """Split indices 0..n-1 into `parts` lists of (nearly) EQUAL COUNT whose cost sums are close
     (Karmarkar-Karp largest differencing, the multi-way balanced form).
 
@@ -126,7 +127,7 @@ def unit_costs(
         )
     seg = own * body[gid] + own * (own + 1) / 2
     pairs = body * (body + 1) / 2 + torch.zeros(groups, dtype=torch.float64).index_add(0, gid, seg)
-    return 3.0 * flops.forward(tokens, pairs)
+    return 3.0 * flops.forward(tokens, pairs)  # type: ignore[arg-type,return-value]  # elementwise on [G]
 
 
 def imbalance(costs_per_rank: list[float]) -> float:
@@ -176,7 +177,7 @@ def plan_exchange(costs_by_rank: list[list[float]], parts: int) -> Plan:
     cost = [float(c) for costs in costs_by_rank for c in costs]
     split = karmarkar_karp(cost, parts)
     owner = _owners(split, flat, cost, ranks)
-    holds = [[] for _ in range(ranks)]
+    holds: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
     for p, members in enumerate(split):
         holds[owner[p]].extend(flat[i] for i in members)
     before = tuple(math.fsum(float(c) for c in costs) for costs in costs_by_rank)
@@ -352,7 +353,7 @@ def _piece(like: RolloutBatch, shard: _Shard, tensors: list[Tensor]) -> RolloutB
     """A RolloutBatch of received rows, with the sender's widths, on the local batch's device."""
     device = like.input_ids.device
     fields = {name: t.to(device) for (name, _, _), t in zip(shard.fields, tensors)}
-    return RolloutBatch(**fields, prompt_width=shard.prompt_width, group_size=shard.group_size)
+    return RolloutBatch(**fields, prompt_width=shard.prompt_width, group_size=shard.group_size)  # type: ignore[arg-type]
 
 
 # ---- wire format: tensors <-> one uint8 message per rank pair -------------------------------------------
