@@ -5,7 +5,7 @@
 
 Runs, all with train.dp_size=2 and the same seed, one after the other on one local cluster:
   1. the long-tail task (examples/configs/grpo_longtail.yaml), rollout.over_sample=1.0, train.balance=off
-  2. the same with train.balance=tokens
+  2. the same with train.balance=tokens, and 2b. with train.balance=flops
   3. over_sample=1.25 and 4. over_sample=1.5, both with balance=tokens (rollout.max_aborts=3, the default: a
      prompt aborted 3 times is waited for), 5. over_sample=1.5 with rollout.max_aborts=null (never waits)
   6. the demo task (examples/configs/grpo.yaml) with algo.dynamic_sampling=reward
@@ -113,12 +113,13 @@ def main(argv: list[str]) -> None:
     lt = "grpo_longtail.yaml"
     off = fit("os1.0_balance_off", lt, args, "rollout.over_sample=1.0", "train.balance=off")
     tokens = fit("os1.0_balance_tokens", lt, args, "rollout.over_sample=1.0", "train.balance=tokens")
+    flops = fit("os1.0_balance_flops", lt, args, "rollout.over_sample=1.0", "train.balance=flops")
     os125 = fit("os1.25_balance_tokens", lt, args, "rollout.over_sample=1.25", "train.balance=tokens")
     os150 = fit("os1.5_balance_tokens", lt, args, "rollout.over_sample=1.5", "train.balance=tokens")
     pure = fit("os1.5_never_wait", lt, args, "rollout.over_sample=1.5", "rollout.max_aborts=null")
     dynamic = fit("demo_dynamic_sampling", "grpo.yaml", args, "algo.dynamic_sampling=reward")
     print(f"load average after: {os.getloadavg()[0]:.2f}\n")
-    runs = [off, tokens, os125, os150, pure, dynamic]
+    runs = [off, tokens, flops, os125, os150, pure, dynamic]
     print(table(runs))
     same = {r.median("samples") for r in (tokens, os125, os150, pure)}
     if len(same) != 1:
@@ -135,7 +136,10 @@ def main(argv: list[str]) -> None:
         f"\nrollout cut: over_sample 1.25 -> {cuts['1.25']:.1%}, 1.5 -> {cuts['1.5']:.1%}; 1.5 never waiting for "
         f"an aborted prompt (rollout.max_aborts=null) -> {cuts['pure']:.1%} (samples a step: {same.pop()})"
     )
-    print(f"train idle: balance off {off.train_idle_s():.2f} s, tokens {tokens.train_idle_s():.2f} s")
+    print(
+        f"train idle: balance off {off.train_idle_s():.2f} s, tokens {tokens.train_idle_s():.2f} s, "
+        f"flops {flops.train_idle_s():.2f} s (cut {1 - flops.train_idle_s() / max(off.train_idle_s(), 1e-9):.0%})"
+    )
     print(f"dynamic sampling: kept {dynamic.median('dynamic/drawn_groups') - dynamic.median('dynamic/dropped_groups'):.0f} "
           f"of {dynamic.median('dynamic/drawn_groups'):.0f} drawn groups, {dynamic.median('dynamic/draws'):.0f} draws "
           f"a step (median, both groups)")  # fmt: skip

@@ -33,7 +33,7 @@ from yatt_ray.algos import (
 from yatt_ray.batch import RolloutBatch, pack
 from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.config import Config
-from yatt_ray.draws import Group, is_informative, prompts_to_start, split_finished, top_up
+from yatt_ray.draws import Group, groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
@@ -99,6 +99,7 @@ class GroupController:
         self.stream_to_genrm = config.reward.mode != "rule" and config.placement.mode == "partial"
         self.prompt_feed: Any = None  # set by open_checkpoints (controller ranks)
         self.step_rows: list = []  # the prompt rows this step consumed (trained on, or dropped)
+        self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
         self.resumed: Resumed | None = None
         if layout.is_controller:
             engine, scorer, tokenizer, reward_fn = (
@@ -266,8 +267,9 @@ class GroupController:
     def _collect(self, step: int) -> RolloutBatch:
         """Draw, generate and score until the group holds its share of prompt groups; the scored batch.
 
-        Every draw starts `ceil(rollout.over_sample x need)` prompts (queue first, then the stream); the engine
-        aborts the rest once `need` have finished. Finished groups are taken in finish order; with
+        Every draw starts `ceil(rollout.over_sample x target)` prompts (queue first, then the stream), where
+        `target` is what it still needs over the recent keep rate of dynamic sampling (1 without it); the
+        engine aborts the rest once `target` have finished. Finished groups are taken in finish order; with
         `algo.dynamic_sampling`, groups whose samples all score the same are dropped (consumed) and more are
         taken (first the ones that finished past the need, then a new draw), at most `algo.max_draws` draws;
         then the batch is topped up with dropped groups. What finished but was not taken, and what was
@@ -290,7 +292,8 @@ class GroupController:
                 self._take(taken, kept, dropped)
                 continue
             need = need if counts["draws"] < max_draws else 0
-            want = prompts_to_start(need, cfg.rollout.over_sample)
+            target = groups_to_finish(need, self.keep_rate)
+            want = prompts_to_start(target, cfg.rollout.over_sample)
             if not self._lockstep(feed, want, need):
                 break
             if need == 0:
@@ -298,7 +301,7 @@ class GroupController:
             counts["draws"] += 1
             rows = feed.pop(want)
             with self.timer.phase("rollout"):
-                spare, aborted = self._generate(step, counts["draws"], rows, need)
+                spare, aborted = self._generate(step, counts["draws"], rows, target)
             if aborted:  # the long tail: stopped in the engine, back to the front of the queue unconsumed
                 with self.recorder.span("aborted", busy=False):
                     feed.requeue(aborted)
@@ -309,6 +312,8 @@ class GroupController:
                 feed.requeue(back)
         counts["requeued"] += counts["aborted"] + len(back)
         informative = len(kept)
+        if dynamic != "off" and kept + dropped:  # sizes the next step's draws (an EMA over steps)
+            self.keep_rate = 0.5 * self.keep_rate + 0.5 * len(kept) / len(kept + dropped)
         if informative < share:
             log.warning(
                 "dynamic sampling: %d of %d prompt groups varied after algo.max_draws=%d draws; topping the batch "

@@ -38,9 +38,16 @@ class Group:
     rewards: list[float] = field(default_factory=list)
 
 
-def prompts_to_start(need: int, over_sample: float) -> int:
-    """ceil(over_sample x need): the prompts a draw starts to finish `need` groups (0 when nothing is needed)."""
-    return math.ceil(over_sample * need - 1e-9) if need > 0 else 0
+def groups_to_finish(need: int, keep_rate: float = 1.0) -> int:
+    """ceil(need / keep_rate): the groups a draw finishes so that about `need` pass the filter; `keep_rate`
+    (dynamic sampling: the fraction of groups kept lately, floored at 0.1; 1 without it) makes one draw
+    usually enough."""
+    return math.ceil(need / max(keep_rate, 0.1) - 1e-9) if need > 0 else 0
+
+
+def prompts_to_start(target: int, over_sample: float) -> int:
+    """ceil(over_sample x target): the prompts a draw starts to finish `target` groups (0 for none)."""
+    return math.ceil(over_sample * target - 1e-9) if target > 0 else 0
 
 
 def is_informative(rewards: list[float], metric: DynamicSampling) -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 from yatt_ray.checkpoint.training import merge_positions, run_position
 from yatt_ray.data.feed import FeedRow, MarkConsumed, PromptFeed, columns
-from yatt_ray.draws import is_informative, prompts_to_start, split_finished, top_up
+from yatt_ray.draws import groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.errors import DataError
 
 
@@ -84,6 +84,18 @@ def test_a_share_smaller_than_a_step_is_refused():
         next(feed)
 
 
+def test_one_prompt_of_two_epochs_in_one_step_is_recorded_in_both():
+    feed = PromptFeed(Shard([0, 1, 2]), [], batch_size=2)
+    feed.pull(3)
+    held = feed.pop(1)  # id 0 of epoch 0 waits in the queue (requeued) while the stream moves on
+    feed.requeue(held)
+    feed.pull(1)  # id 0 again, of epoch 1
+    rows = feed.pop(4)
+    assert [(r.epoch, r.id) for r in rows] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    feed.consume(rows)
+    assert feed.consumed == {0: [0, 1, 2], 1: [0]}
+
+
 def test_missing_ids_leave_the_position_unrecorded(caplog):
     feed = PromptFeed(Shard([-1, -1, -1, -1]), [], batch_size=4)
     next(feed)
@@ -99,6 +111,8 @@ def test_columns_keep_arrays_as_objects():
 def test_draw_sizes_and_the_group_filter():
     assert [prompts_to_start(16, s) for s in (1.0, 1.25, 1.5)] == [16, 20, 24]
     assert prompts_to_start(3, 1.25) == 4 and prompts_to_start(0, 1.5) == 0
+    assert groups_to_finish(16, keep_rate=0.5) == 32 and groups_to_finish(4, keep_rate=0.0) == 40
+    assert groups_to_finish(5) == 5 and groups_to_finish(0, 0.5) == 0
     assert is_informative([0.0, 1.0], "reward") and not is_informative([0.5, 0.5], "reward")
     assert not is_informative([0.2, 0.5], "accuracy") and is_informative([0.2, 1.0], "accuracy")
     assert split_finished([3, 0, 4], count=5) == (

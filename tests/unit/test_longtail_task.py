@@ -13,7 +13,7 @@ from yatt_ray import load_config
 from yatt_ray.config import DemoConfig
 from yatt_ray.errors import ConfigError
 from yatt_ray.models.tiny import BOS_ID, UNK_ID, build_tokenizer
-from yatt_ray.reward.rules import check_reward_fn, prefix_match, resolve_reward_fn
+from yatt_ray.reward.rules import check_reward_fn, prefix_match, repeat_match, resolve_reward_fn
 from yatt_ray.tasks import arithmetic, longtail
 from yatt_ray.tasks.demo import (
     LONGTAIL_MAX_POSITIONS,
@@ -95,9 +95,26 @@ def test_prompts_tokenize_one_token_per_character_and_fit_the_example_config():
 
 def test_example_config():
     config = load_config(CONFIG)
-    assert config.demo.task == "longtail" and config.reward.function == "prefix_match"
+    assert config.demo.task == "longtail" and config.reward.function == "repeat_match"
     assert config.rollout.over_sample == 1.25 and config.train.balance == "tokens"
-    assert resolve_reward_fn(config.reward.function) is prefix_match
+    assert resolve_reward_fn(config.reward.function) is repeat_match
+
+
+def test_repeat_match_accepts_the_string_repeated_and_grades_the_rest():
+    assert repeat_match("abc", "abc") == 1.0 and repeat_match("abc>abc>abc", "abc") == 1.0
+    assert repeat_match("abc>abd", "abc") == pytest.approx(6 / 7)  # against "abc>abc": 6 of 7 match
+    assert repeat_match("ab", "abc") == pytest.approx(2 / 3) and repeat_match("", "abc") == 0.0
+
+
+def test_the_warm_up_answers_repeat_the_string_a_geometric_number_of_times():
+    import random
+
+    rng = random.Random(0)
+    answers = [longtail.warmup_answer("abcd", rng) for _ in range(4000)]
+    copies = [a.count(">") + 1 for a in answers]
+    assert all(a == ">".join(["abcd"] * k) for a, k in zip(answers, copies))
+    assert 1.9 < sum(copies) / len(copies) < 2.1  # mean 1 / (1 - 0.5)
+    assert max(len(longtail.warmup_answer("x" * 100, rng)) for _ in range(200)) <= longtail.MAX_ANSWER
 
 
 @pytest.mark.parametrize(

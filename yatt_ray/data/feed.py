@@ -161,7 +161,8 @@ class PromptFeed:
     def consume(self, rows: list[FeedRow]) -> None:
         """Record the rows' ids in their epochs' position (once trained on, or drawn and dropped)."""
         ids = [r.id for r in rows]
-        if -1 in ids or len(set(ids)) < len(ids):
+        keys = {(r.epoch, r.id) for r in rows}  # one prompt may come twice: from the queue and the next epoch
+        if -1 in ids or len(keys) < len(rows):
             if not self._warned_ids:
                 self._warned_ids = True
                 log.warning(
