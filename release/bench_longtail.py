@@ -3,12 +3,13 @@
     python release/bench_longtail.py                  # 10 steps a run, medians over steps 2-10
     python release/bench_longtail.py --steps 16 --out runs/bench_longtail
 
-Runs, all with train.dp_size=2 and the same seed, one after the other on one local cluster:
-  1. the long-tail task (examples/configs/grpo_longtail.yaml), rollout.over_sample=1.0, train.balance=off
-  2. the same with train.balance=tokens, and 2b. with train.balance=flops
-  3. over_sample=1.25 and 4. over_sample=1.5, both with balance=tokens (rollout.max_aborts=3, the default: a
-     prompt aborted 3 times is waited for), 5. over_sample=1.5 with rollout.max_aborts=null (never waits)
-  6. the demo task (examples/configs/grpo.yaml) with algo.dynamic_sampling=reward
+Runs, all with train.dp_size=2 and the same seed, one after the other on one local cluster, on the long-tail
+task (examples/configs/grpo_longtail.yaml: 32 prompts x 8 samples a step, train.balance=tokens):
+  1-3. train.balance=off, tokens, flops with --balance-prompts (8) prompts a step: 4 groups a rank, so the
+       heavy tail shows in the ranks' costs; rollout.over_sample=1.0
+  4. rollout.over_sample=1.0 (the baseline), 5. 1.25 and 6. 1.5 (rollout.max_aborts=3, the default: a prompt
+     aborted 3 times is waited for), 7. 1.5 with rollout.max_aborts=null (never waits)
+  8. the demo task (examples/configs/grpo.yaml) with algo.dynamic_sampling=reward
 
 Figures (medians over the measured steps):
   - rollout_cut = 1 - rollout(over_sample=1.5) / rollout(over_sample=1.0), each run training the same number
@@ -20,7 +21,7 @@ Figures (medians over the measured steps):
     seconds outside its busy spans (forward / backward / optimizer): the wait for the slower rank in the
     gradient all-reduce, read from the run's timeline (timeline.json).
   - batch_full = the fraction of the measured steps in which every group filled its share with informative
-    groups (no top-up), in run 6.
+    groups (no top-up), in run 8.
 Writes gantt_balance_off.png and gantt_balance_tokens.png (one row per rank, the measured steps) under --out,
 prints a table, and ends with the line
     longtail: rollout_cut=<x> imbalance_before=<a> imbalance_after=<b> idle_cut=<c> batch_full=<d>
@@ -108,27 +109,29 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/bench_longtail")
+    parser.add_argument("--balance-prompts", type=int, default=8, help="prompts a step in the balancing runs")
     args = parser.parse_args(argv)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
-    lt = "grpo_longtail.yaml"
-    off = fit("os1.0_balance_off", lt, args, "rollout.over_sample=1.0", "train.balance=off")
-    tokens = fit("os1.0_balance_tokens", lt, args, "rollout.over_sample=1.0", "train.balance=tokens")
-    flops = fit("os1.0_balance_flops", lt, args, "rollout.over_sample=1.0", "train.balance=flops")
+    lt, few = "grpo_longtail.yaml", f"train.prompts_per_step={args.balance_prompts}"
+    off = fit("balance_off", lt, args, "rollout.over_sample=1.0", "train.balance=off", few)
+    tokens = fit("balance_tokens", lt, args, "rollout.over_sample=1.0", "train.balance=tokens", few)
+    flops = fit("balance_flops", lt, args, "rollout.over_sample=1.0", "train.balance=flops", few)
+    base_run = fit("os1.0", lt, args, "rollout.over_sample=1.0")
     os125 = fit("os1.25_balance_tokens", lt, args, "rollout.over_sample=1.25", "train.balance=tokens")
     os150 = fit("os1.5_balance_tokens", lt, args, "rollout.over_sample=1.5", "train.balance=tokens")
     pure = fit("os1.5_never_wait", lt, args, "rollout.over_sample=1.5", "rollout.max_aborts=null")
     dynamic = fit("demo_dynamic_sampling", "grpo.yaml", args, "algo.dynamic_sampling=reward")
     print(f"load average after: {os.getloadavg()[0]:.2f}\n")
-    runs = [off, tokens, flops, os125, os150, pure, dynamic]
+    runs = [off, tokens, flops, base_run, os125, os150, pure, dynamic]
     print(table(runs))
-    same = {r.median("samples") for r in (tokens, os125, os150, pure)}
+    same = {r.median("samples") for r in (base_run, os125, os150, pure)}
     if len(same) != 1:
         raise SystemExit(f"the over-sampling runs trained different numbers of samples a step: {same}")
     out = Path(args.out)
     gantt(off, out / "gantt_balance_off.png")
     gantt(tokens, out / "gantt_balance_tokens.png")
     full = [r["dynamic/batch_full"] >= DP for r in dynamic.measured()]
-    base = tokens.median("time/rollout")
+    base = base_run.median("time/rollout")
     cuts = {
         o: 1 - r.median("time/rollout") / base for o, r in (("1.25", os125), ("1.5", os150), ("pure", pure))
     }
