@@ -114,7 +114,8 @@ def test_a_replica_killed_mid_flight_costs_no_sample_and_scores_none_twice(two_r
     still fails); each sample gets exactly one verdict, and Serve replaces the replica."""
     import ray
 
-    client = GenRMClient(timeout_s=30, max_retries=3, connect_timeout_s=60)
+    # per attempt: 3000 requests land on the one surviving replica while Serve replaces the other (2 cores)
+    client = GenRMClient(timeout_s=90, max_retries=4, connect_timeout_s=60)
     batch = requests(3000, seed=2, prefix="k")
     before = replica_names()
     assert len(before) == 2
