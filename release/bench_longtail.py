@@ -22,6 +22,10 @@ Figures (medians over the measured steps):
     gradient all-reduce, read from the run's timeline (timeline.json).
   - batch_full = the fraction of the measured steps in which every group filled its share with informative
     groups (no top-up), in run 8.
+  - decode step cost: the task's model in one vLLM engine in this process, at 1 and at 128 sequences a step
+    (fixed length): what a long-tail step (few sequences) costs against a full one. Over-sampling pays only
+    where the tail step costs about as much as a full one (memory-bound decode on an accelerator); where
+    decode is compute-bound (here, on CPU cores) it spends more tokens on cheap steps.
 Writes gantt_balance_off.png and gantt_balance_tokens.png (one row per rank, the measured steps) under --out,
 prints a table, and ends with the line
     longtail: rollout_cut=<x> imbalance_before=<a> imbalance_after=<b> idle_cut=<c> batch_full=<d>
@@ -40,6 +44,7 @@ from pathlib import Path
 
 import yatt_ray
 from yatt_ray.metrics.timeline import Span, busy_union, plot_gantt, read_chrome_trace
+from yatt_ray.tasks.demo import demo_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 DP = 2
@@ -48,6 +53,7 @@ DP = 2
 @dataclass
 class Run:
     name: str
+    model_dir: str
     history: list[dict]
     spans: list[Span]
     first_step: int
@@ -80,12 +86,38 @@ def fit(name: str, config: str, args: argparse.Namespace, *overrides: str) -> Ru
     print(f"\n== {name}: {' '.join(overrides)}", flush=True)
     result = yatt_ray.fit(cfg)
     spans = read_chrome_trace(Path(result.output_dir) / "timeline.json")
-    return Run(name, result.history, spans, first_step=2)
+    model_dir = cfg.model.path or str(
+        demo_cache_dir(cfg.demo) / "model"
+    )  # "" = the demo's (fit fills a copy)
+    return Run(name, model_dir, result.history, spans, first_step=2)
 
 
 def gantt(run: Run, path: Path) -> None:
     spans = [s for s in run.spans if s.step >= run.first_step]
     plot_gantt(spans, path, title=f"{run.name}: steps {run.first_step}-{max(s.step for s in spans)}")
+
+
+def decode_step_ms(model_dir: str, batches: tuple[int, ...] = (1, 128), tokens: int = 64) -> dict[int, float]:
+    """Milliseconds per decode step at each batch size: `tokens` fixed-length tokens a sequence, the second of
+    two identical calls (the first warms the engine)."""
+    import time
+
+    from yatt_ray.rollout.base import SamplingSpec
+    from yatt_ray.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, seed=0)
+    spec = SamplingSpec(n=1, max_new_tokens=tokens, ignore_eos=True, seed=1)
+    out = {}
+    try:
+        for batch in batches:
+            prompts = [[1, 5 + i % 50, 7, 9, 11, 13, 15, 17] for i in range(batch)]
+            engine.generate(prompts, spec)
+            start = time.perf_counter()
+            engine.generate(prompts, spec)
+            out[batch] = (time.perf_counter() - start) / tokens * 1000
+    finally:
+        engine.close()
+    return out
 
 
 def table(runs: list[Run]) -> str:
@@ -147,6 +179,11 @@ def main(argv: list[str]) -> None:
           f"of {dynamic.median('dynamic/drawn_groups'):.0f} drawn groups, {dynamic.median('dynamic/draws'):.0f} draws "
           f"a step (median, both groups)")  # fmt: skip
     print(f"Gantt charts: {out / 'gantt_balance_off.png'}, {out / 'gantt_balance_tokens.png'}")
+    step_ms = decode_step_ms(base_run.model_dir)
+    print(
+        f"decode step: {step_ms[1]:.2f} ms at 1 sequence, {step_ms[128]:.2f} ms at 128: a tail step costs "
+        f"{step_ms[1] / step_ms[128]:.0%} of a full one"
+    )
     idle_cut = 1 - tokens.train_idle_s() / max(off.train_idle_s(), 1e-9)
     print(
         f"longtail: rollout_cut={cuts['1.5']:.2f} imbalance_before={tokens.median('balance/imbalance_before'):.2f} "

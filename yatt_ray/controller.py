@@ -212,7 +212,7 @@ class GroupController:
 
     def _balance(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any, dict[str, float]]:
         """`train.balance`: (the batch this rank trains, a function bringing a per-row [N, R] tensor of it back
-        to `batch`'s rows, stats). Prompt groups move worker to worker so that every data-parallel rank's cost
+        to `batch`'s rows, stats). Prompt groups (sliced when whole ones are too coarse) move worker to worker so that every data-parallel rank's cost
         (tokens, or FLOPs) is as even as Karmarkar-Karp makes it; loss normalisation stays global."""
         mode = self.config.train.balance
         if mode == "off" or self.layout.dp_size == 1:
@@ -484,7 +484,8 @@ class GroupController:
         """Critic step (when there is one), then the policy: `algo.ppo_epochs` passes over the batch, each
         in `algo.ppo_mini_batches` optimizer steps (after the first, the importance ratio moves away from 1
         and the PPO clip binds). Metrics are averaged over the optimizer steps."""
-        cfg, width, batching = self.config, batch.prompt_width, self.batching
+        cfg, width = self.config, batch.prompt_width
+        batching = {**self.batching, "group_size": batch.group_size}  # balancing may have sliced the groups
         stats: dict[str, float] = {}
         if self.critic is not None:
             global_tokens = self._dp_sum(batch.response_mask.sum())

@@ -9,7 +9,15 @@ from dist_harness import run_ranks
 
 from yatt_ray.batch import concat, pack, pad_to
 from yatt_ray.metrics.flops import ModelFlops, PerfModel
-from yatt_ray.train.balance import exchange, imbalance, karmarkar_karp, plan_exchange, unit_costs
+from yatt_ray.train.balance import (
+    choose_plan,
+    exchange,
+    imbalance,
+    karmarkar_karp,
+    plan_exchange,
+    unit_costs,
+    unit_sizes,
+)
 from yatt_ray.train.packing import PAD_SEGMENT, pack_shared_prefix
 
 
@@ -220,6 +228,7 @@ def test_exchange_on_one_rank_is_a_no_op():
         "balance/imbalance_before": 1.0,
         "balance/imbalance_after": 1.0,
         "balance/moved_groups": 0.0,
+        "balance/unit_size": 2.0,
     }
 
 
@@ -253,8 +262,8 @@ def _rank_batch(rank: int):
 
 def _exchange_rank(rank, world_size):
     batch = _rank_batch(rank)
-    out, restore, stats = exchange(batch, "tokens", None)
-    again, _, stats_again = exchange(out, "tokens", None)
+    out, restore, stats = exchange(batch, "tokens", None, slice_groups=False)
+    again, _, stats_again = exchange(out, "tokens", None, slice_groups=False)
     mine = unit_costs(out.attention_mask, GROUP, "tokens", prompt_width=out.prompt_width).sum()
     return {
         "tensors": out.tensors(),
@@ -314,3 +323,78 @@ def test_exchange_two_ranks_gloo():
         assert torch.equal(res["rewards"], o.rewards)
         assert torch.equal(res["response_mask"], o.response_mask)
         assert res["again_is_same"] and res["moved_again"] == 0.0  # balanced already: nothing moves
+
+
+def test_unit_sizes_and_choose_plan():
+    assert unit_sizes(8) == [8, 4, 2, 1] and unit_sizes(6) == [6, 3, 2, 1] and unit_sizes(1) == [1]
+    whole = plan_exchange([[90.0, 10.0], [10.0, 10.0]], 2)  # any 2 + 2 split keeps the 90 with another unit
+    assert max(whole.after) == 100.0
+    sliced = plan_exchange([[46.0, 46.0, 6.0, 6.0], [6.0, 6.0, 6.0, 6.0]], 2)  # halves, the prompt twice
+    assert max(sliced.after) == 64.0
+    assert choose_plan({2: whole, 1: sliced}) == 1
+    near = plan_exchange([[50.0, 10.0], [10.0, 49.6]], 2)  # a slicing gain under SLICE_GAIN is not taken
+    slight = plan_exchange([[29.8, 29.8], [29.8, 29.8]], 2)  # max 59.6: 0.7% under 60
+    assert max(near.after) == 60.0 and choose_plan({2: near, 1: slight}) == 2
+
+
+# ---- slicing a heavy group over two ranks ------------------------------------------------------------------
+SLICED = 4  # rows a group
+
+
+def _heavy_batch(rank: int):
+    """Rank 0: group 0 with four 40-token responses and group 1 with short ones; rank 1: two short groups.
+    Prompt token 0 is 100 + 10 rank + k (the group), response token 0 is 60 + j (the row in the group)."""
+    g = torch.Generator().manual_seed(rank)
+    prompts, responses = [], []
+    for k in range(2):
+        prompt = [100 + 10 * rank + k, 11, 12]
+        for j in range(SLICED):
+            size = 40 if (rank, k) == (0, 0) else 2
+            responses.append([60 + j] + torch.randint(10, 50, (size - 1,), generator=g).tolist())
+            prompts.append(prompt)
+    logps = [torch.randn(len(r), generator=g).tolist() for r in responses]
+    b = pack(prompts, responses, logps, pad_id=0, group_size=SLICED)
+    b.advantages = torch.randn(b.response_mask.shape, generator=g) * b.response_mask
+    return b
+
+
+def _sliced_rank(rank, world_size):
+    out, restore, stats = exchange(_heavy_batch(rank), "tokens", None)
+    whole = exchange(_heavy_batch(rank), "tokens", None, slice_groups=False)[2]
+    first = out.attention_mask.float().argmax(1)
+    return {
+        "ids": [
+            (int(out.input_ids[i, first[i]]), int(out.input_ids[i, out.prompt_width]))
+            for i in range(out.size)
+        ],
+        "group_size": out.group_size,
+        "cost": float(
+            unit_costs(out.attention_mask, out.group_size, "tokens", prompt_width=out.prompt_width).sum()
+        ),
+        "stats": stats,
+        "whole": whole,
+        "advantages": restore.restore(out.advantages.clone()),
+    }
+
+
+def test_exchange_slices_a_heavy_group_when_whole_groups_cannot_balance():
+    results = run_ranks(_sliced_rank, 2, timeout_s=120.0)
+    stats, whole = results[0]["stats"], results[0]["whole"]
+    assert results[1]["stats"] == stats
+    assert whole["balance/imbalance_after"] > 1.5  # the heavy group outweighs the other three together
+    assert stats["balance/unit_size"] < SLICED and stats["balance/imbalance_after"] < 1.1
+    assert stats["balance/imbalance_before"] == whole["balance/imbalance_before"]
+    assert imbalance([r["cost"] for r in results]) == pytest.approx(stats["balance/imbalance_after"])
+    rows = [row for r in results for row in r["ids"]]
+    assert sorted(rows) == sorted(
+        (100 + 10 * r + k, 60 + j) for r in range(2) for k in range(2) for j in range(SLICED)
+    )
+    heavy_ranks = {r for r, res in enumerate(results) for gid, _ in res["ids"] if gid == 100}
+    assert heavy_ranks == {0, 1}  # the heavy group is split over both ranks
+    for res in results:
+        size = res["group_size"]
+        assert size == stats["balance/unit_size"]
+        for start in range(0, len(res["ids"]), size):  # a slice's rows are one prompt's
+            assert len({gid for gid, _ in res["ids"][start : start + size]}) == 1
+    for rank, res in enumerate(results):
+        assert torch.equal(res["advantages"], _heavy_batch(rank).advantages)

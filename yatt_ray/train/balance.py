@@ -1,23 +1,29 @@
-"""Data-parallel load balancing of the train phase: whole groups move between ranks so that each rank's cost
-is (nearly) equal, and per-row results can be sent back to where each row came from.
+"""Data-parallel load balancing of the train phase: prompt groups (or equal slices of them) move between ranks
+so that each rank's cost is (nearly) equal, and per-row results can be sent back to where each row came from.
 
-The unit moved is a GROUP: a prompt's `group_size` consecutive rows of a `RolloutBatch` (the trainer packs a
-group into one row with the prompt once, and advantages were computed over the whole group). Unit k of a
-batch of N rows is rows [k g, min((k+1) g, N)).
+The unit moved is a GROUP of `s` consecutive rows of a `RolloutBatch`, where `s` divides the batch's
+`group_size` g (a prompt's samples): s = g moves whole prompt groups; a smaller s slices a group into g / s
+parts that may land on different ranks (advantages were already computed over the whole group, and the
+trainer packs each slice into one row with its prompt, so a slice costs its prompt once more). Unit k of a
+batch of N rows is rows [k s, min((k+1) s, N)).
 
 One exchange, on every rank of the data-parallel process group (a collective):
-  1. each rank prices its units (`unit_costs`: real tokens, or training FLOPs);
+  1. each rank prices its units for every candidate size s (`unit_costs`: real tokens, or training FLOPs);
   2. the costs (and each rank's widths and field dtypes) are all-gathered as small Python objects;
-  3. every rank computes the same `Plan` (`plan_exchange`): Karmarkar-Karp over all units into one part per
-     rank of equal unit count, each part given to the rank that already holds most of its cost;
+  3. every rank computes the same `Plan` for each s (`plan_exchange`): Karmarkar-Karp over all units into one
+     part per rank of equal unit count, each part given to the rank that already holds most of its cost; the
+     largest s whose plan's largest rank cost is within `SLICE_GAIN` of the best is used (`choose_plan`), so
+     groups are sliced only when whole groups are too coarse to balance (few groups a rank, a heavy tail);
   4. the rows of each moved unit go worker to worker (`batch_isend_irecv`, one byte message per rank pair;
      on CUDA when the group's backend is NCCL, else on the CPU for gloo), never through a driver;
   5. each rank joins what it holds into one batch (`yatt_ray.batch.concat`: prompts left-padded, responses
-     right-padded to the widest), and keeps a `Restore` that sends per-row results back.
+     right-padded to the widest; `group_size` = the s used), and keeps a `Restore` that sends per-row
+     results back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
@@ -31,6 +37,7 @@ from yatt_ray.batch import RolloutBatch, concat
 from yatt_ray.metrics.flops import ModelFlops, PerfModel
 
 MODES = ("tokens", "flops")
+SLICE_GAIN = 0.01  # a group is sliced only when that lowers the largest rank cost by more than this fraction
 
 
 # ---- partitioning ---------------------------------------------------------------------------------------
@@ -208,6 +215,19 @@ def _owners(split: list[list[int]], flat: list[tuple[int, int]], cost: list[floa
     return [owner[p] for p in range(len(split))]
 
 
+def unit_sizes(group_size: int) -> list[int]:
+    """The candidate unit sizes for groups of `group_size` rows: its divisors, largest (whole groups) first."""
+    return [s for s in range(group_size, 0, -1) if group_size % s == 0]
+
+
+def choose_plan(plans: dict[int, Plan]) -> int:
+    """The unit size to use among `plans` (size -> Plan, the whole-group size the largest key): the largest
+    size whose plan's largest rank cost is within `SLICE_GAIN` of the lowest one, so slicing a group (which
+    costs its prompt again) is chosen only for a real gain."""
+    best = min(max(p.after) for p in plans.values())
+    return max(s for s, p in plans.items() if max(p.after) <= best * (1 + SLICE_GAIN))
+
+
 # ---- the exchange ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Shard:
@@ -218,7 +238,7 @@ class _Shard:
     prompt_width: int
     response_width: int
     group_size: int
-    costs: tuple[float, ...]
+    costs: dict[int, tuple[float, ...]]  # unit size -> the units' costs at that size
     fields: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
     def unit_rows(self, unit: int) -> list[int]:
@@ -228,14 +248,14 @@ class _Shard:
         return [i for u in units for i in self.unit_rows(u)]
 
 
-def _shard(batch: RolloutBatch, costs: Tensor) -> _Shard:
+def _shard(batch: RolloutBatch, costs: dict[int, tuple[float, ...]]) -> _Shard:
     tensors = batch.tensors()
     return _Shard(
         rows=batch.size,
         prompt_width=batch.prompt_width,
         response_width=batch.input_ids.shape[1] - batch.prompt_width,
         group_size=batch.group_size,
-        costs=tuple(costs.tolist()),
+        costs=costs,
         fields=tuple((k, t.dtype, tuple(t.shape[1:])) for k, t in tensors.items()),
     )
 
@@ -281,34 +301,49 @@ class Restore:
 
 
 def exchange(
-    batch: RolloutBatch, mode: str, group=None, model: ModelFlops | PerfModel | None = None
+    batch: RolloutBatch,
+    mode: str,
+    group=None,
+    model: ModelFlops | PerfModel | None = None,
+    slice_groups: bool = True,
 ) -> tuple[RolloutBatch, Restore, dict[str, float]]:
     """Balance `batch` over the data-parallel process group `group` (a collective; None = the default group).
 
     Returns the balanced batch (the groups this rank holds in the Plan's order: every set row field, re-padded
     by `concat`; `greedy_rewards` dropped; `counters`, `truncated`, `prompts_clipped` of the local batch),
-    a `Restore`, and stats {"balance/imbalance_before", "balance/imbalance_after", "balance/moved_groups"},
-    the same on every rank. With one rank, or when the plan moves nothing, the batch itself comes back (with
+    a `Restore`, and stats {"balance/imbalance_before" (whole groups where they are), "balance/imbalance_after",
+    "balance/moved_groups" (units moved), "balance/unit_size" (rows a unit)}, the same on every rank.
+    `slice_groups=False` moves whole groups only; else a group may be sliced (`choose_plan`), and the
+    balanced batch's `group_size` is the slice size. With one rank, or when the plan moves nothing, the batch itself comes back (with
     a Restore that returns its argument) and no rows are sent. On NCCL the process's CUDA device must be set
     (`torch.cuda.set_device`), as for any object collective.
     """
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         stats = {"balance/imbalance_before": 1.0, "balance/imbalance_after": 1.0, "balance/moved_groups": 0.0}
-        return batch, Restore(), stats
+        return batch, Restore(), {**stats, "balance/unit_size": float(batch.group_size)}
     me = dist.get_rank(group)
-    costs = unit_costs(batch.attention_mask, batch.group_size, mode, model, prompt_width=batch.prompt_width)
-    shards: list = [None] * world
-    dist.all_gather_object(shards, _shard(batch, costs), group=group)
-    _check_same_layout(shards)
-    plan = plan_exchange([list(s.costs) for s in shards], world)
+    sizes = unit_sizes(batch.group_size) if slice_groups else [batch.group_size]
+    costs = {
+        s: tuple(unit_costs(batch.attention_mask, s, mode, model, prompt_width=batch.prompt_width).tolist())
+        for s in sizes
+    }
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, _shard(batch, costs), group=group)
+    _check_same_layout(gathered)
+    plans = {s: plan_exchange([list(sh.costs[s]) for sh in gathered], world) for s in sizes}
+    size = choose_plan(plans)
+    plan = plans[size]
     stats = {
-        "balance/imbalance_before": imbalance(list(plan.before)),
+        "balance/imbalance_before": imbalance(list(plans[batch.group_size].before)),
         "balance/imbalance_after": imbalance(list(plan.after)),
         "balance/moved_groups": float(plan.moved),
+        "balance/unit_size": float(size),
     }
     if plan.moved == 0:
         return batch, Restore(), stats
+    shards = [dataclasses.replace(sh, group_size=size) for sh in gathered]
+    batch = dataclasses.replace(batch, group_size=size)
     mine = shards[me]
     sends = {
         r: _to_bytes(list(_pick(batch, mine.rows_of(plan.units(me, r))).tensors().values()))
