@@ -14,6 +14,11 @@ The policy's per-position outputs `out[:, t]` ([N, P + R - 1]) score token t+1, 
 Fields filled by later phases (None until then): reward: `rewards` [N] (and `greedy_rewards` [N / group_size]
 for ReMax's baseline); log-probs: `old_logp`, `ref_logp`, `values`, `tis_weights` [N, R]; advantages:
 `advantages`, `returns` [N, R].
+
+Image prompts (a vision-language policy) add, from the rollout on: `pixel_values` [N, I, 3, H, W] float32, row
+i's images (its prompt's, repeated for each of the prompt's samples; I the most images of any row, unused
+slots zero) and `image_count` [N] long, how many of the I are row i's. The images' tokens are already in
+`input_ids` (each image expanded to its tokens), so the trainer swaps their embeddings for image features.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from torch import Tensor
 
 ROW_FIELDS = (
     "input_ids", "attention_mask", "response_mask", "rollout_logp", "rewards",
-    "old_logp", "ref_logp", "values", "tis_weights", "advantages", "returns",
+    "old_logp", "ref_logp", "values", "tis_weights", "advantages", "returns", "pixel_values", "image_count",
 )  # fmt: skip
+IMAGE_FIELDS = ("pixel_values", "image_count")  # no token width: padding leaves them as they are
 
 
 @dataclass
@@ -48,6 +54,8 @@ class RolloutBatch:
     tis_weights: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    pixel_values: Tensor | None = None
+    image_count: Tensor | None = None
     truncated: int = 0  # responses cut at rollout.max_new_tokens
     prompts_clipped: int = 0  # prompts longer than data.max_prompt_tokens (kept their last tokens)
     counters: dict[str, float] = field(default_factory=dict)  # the controller's GenRM and memory counters
@@ -121,7 +129,7 @@ def pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_id: 
         return batch
     padded = {}
     for name, value in batch.tensors().items():
-        if value.ndim < 2:
+        if value.ndim < 2 or name in IMAGE_FIELDS:
             continue
         before = left if name in FULL_WIDTH_FIELDS else 0
         fill = pad_id if name == "input_ids" else 0
@@ -143,7 +151,8 @@ def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
         raise ValueError(f"concat: the batches set different row fields: {names}")
     width_p = max(b.prompt_width for b in batches)
     width_r = max(b.input_ids.shape[1] - b.prompt_width for b in batches)
-    padded = [pad_to(b, width_p, width_r, pad_id) for b in batches]
+    slots = max_images(batches)
+    padded = [pad_images(pad_to(b, width_p, width_r, pad_id), slots) for b in batches]
     joined = {name: torch.cat([b.tensors()[name] for b in padded]) for name in names[0]}
     return dataclasses.replace(
         batches[0],
@@ -154,3 +163,39 @@ def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
         counters=dict(batches[0].counters),
         **joined,  # type: ignore[arg-type]
     )
+
+
+def max_images(batches: list[RolloutBatch]) -> int:
+    """The most image slots I of any of `batches` (0 for text batches)."""
+    return max((b.pixel_values.shape[1] for b in batches if b.pixel_values is not None), default=0)
+
+
+def pad_images(batch: RolloutBatch, slots: int) -> RolloutBatch:
+    """`batch` with `pixel_values` widened to `slots` image slots ([N, I, 3, H, W] -> [N, slots, 3, H, W], new
+    slots zero; `image_count` unchanged); a text batch, or one with `slots` already, is returned as it is."""
+    pixels = batch.pixel_values
+    if pixels is None or pixels.shape[1] == slots:
+        return batch
+    if pixels.shape[1] > slots:
+        raise ValueError(f"pad_images: the batch has {pixels.shape[1]} image slots, more than {slots}")
+    wide = pixels.new_zeros((pixels.shape[0], slots, *pixels.shape[2:]))
+    wide[:, : pixels.shape[1]] = pixels
+    return dataclasses.replace(batch, pixel_values=wide)
+
+
+def stack_images(pixels: list[Tensor], repeat: int) -> tuple[Tensor, Tensor]:
+    """Per prompt pixels [I_g, 3, H, W] (G prompts) -> (`pixel_values` [G * repeat, I, 3, H, W], each prompt's
+    repeated for its `repeat` samples, I = max I_g, unused slots zero; `image_count` [G * repeat] long)."""
+    if not pixels:
+        raise ValueError("stack_images: no prompts")
+    shapes = {tuple(p.shape[1:]) for p in pixels if p.shape[0]}
+    if len(shapes) > 1:
+        raise ValueError(f"stack_images: the prompts' images differ in shape {sorted(shapes)}; the image "
+                         "processor must give every image one size")  # fmt: skip
+    trail = shapes.pop() if shapes else (3, 1, 1)
+    slots = max(p.shape[0] for p in pixels)
+    out = torch.zeros((len(pixels), slots, *trail), dtype=torch.float32)
+    for g, p in enumerate(pixels):
+        out[g, : p.shape[0]] = p
+    count = torch.tensor([p.shape[0] for p in pixels], dtype=torch.long)
+    return out.repeat_interleave(repeat, dim=0), count.repeat_interleave(repeat)

@@ -33,7 +33,9 @@ DynamicSampling = Literal[
     "off", "reward", "accuracy"
 ]  # DAPO's group filter: the value that must vary in a group
 BalanceMode = Literal["off", "tokens", "flops"]  # data-parallel load balancing of the train phase
-DemoTask = Literal["arithmetic", "longtail"]
+DemoTask = Literal["arithmetic", "longtail", "vision"]
+BadImagePolicy = Literal["skip", "raise"]  # a corrupt image or missing path: count and skip the row, or stop
+TrainVision = Literal["none", "projector", "all"]  # which parts of a vision-language policy's encoder train
 
 
 class _Section:
@@ -51,9 +53,13 @@ class _Section:
 
 @dataclass
 class ModelConfig(_Section):
-    """The policy. `path` is a Hugging Face directory (Llama architecture); empty builds the demo model."""
+    """The policy. `path` is a Hugging Face directory (Llama architecture, or LLaVA: a vision tower and
+    projector in front of a Llama); empty builds the demo model."""
 
     path: str = ""
+    # LLaVA policies: none = the vision tower and projector stay frozen, projector = the projector trains,
+    # all = the tower too; the language model always trains
+    train_vision: TrainVision = "none"
 
 
 @dataclass
@@ -70,6 +76,10 @@ class DataConfig(_Section):
     id_key: str = "id"
     max_prompt_tokens: int = 64
     shuffle_seed: int | None = 0
+    # images (vision-language policies): a column holding, per row, a list of {"bytes": ...} or {"path": ...}
+    # entries (verl's layout); the prompt holds one <image> placeholder per image
+    image_key: str = "images"
+    on_bad_image: BadImagePolicy = "skip"  # skip: counted (data/bad_images), warned, consumed; raise: stop
 
 
 @dataclass

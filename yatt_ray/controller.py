@@ -30,13 +30,15 @@ from yatt_ray.algos import (
     masked_whiten,
     tis_weights,
 )
-from yatt_ray.batch import RolloutBatch, pack
+from yatt_ray.batch import RolloutBatch, pack, stack_images
 from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.config import Config
+from yatt_ray.data.images import ERROR as IMAGE_ERROR
 from yatt_ray.draws import Group, groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
+from yatt_ray.prompts import ImageLayout, PromptEncoder
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
 from yatt_ray.roles import Layout, Roles, build_roles
@@ -114,6 +116,8 @@ class GroupController:
             self.engine, self.scorer, self.tokenizer, self.reward_fn = engine, scorer, tokenizer, reward_fn
             self.eval_shard = roles.eval_shard
             self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
+            images = ImageLayout.from_model_dir(config.model.path)  # None for a text policy
+            self.prompts = PromptEncoder(tokenizer, config.data.max_prompt_tokens, images)
             pad = self.tokenizer.pad_token_id
             self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))  # masked out
 
@@ -321,6 +325,7 @@ class GroupController:
                 informative, share, max_draws, share - informative,
             )  # fmt: skip
         groups = top_up(kept, dropped, share)
+        bad_images = self._drain_rejected(feed)
         greedy = self._greedy_baseline(step, groups) if self.needs_greedy else None
         if self.offload:  # full coexistence: the engine's memory goes to the trainer while it trains
             self._count_freed("rollout_released", self.engine.sleep())
@@ -332,6 +337,7 @@ class GroupController:
             "rollout/aborted_prompts": float(counts["aborted"]),  # stopped in the engine
             "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished but not needed
             "data/queued_prompts": float(len(feed.queue)),
+            **({"data/bad_images": float(bad_images)} if self.prompts.layout is not None else {}),
         }
         if dynamic != "off":
             batch.counters.update({
@@ -341,6 +347,15 @@ class GroupController:
                 "dynamic/batch_full": float(informative >= share),
             })  # fmt: skip
         return batch
+
+    def _drain_rejected(self, feed) -> int:
+        """Rows whose images did not load (data.on_bad_image=skip), consumed by the feed as it read them: logged
+        with their ids, recorded as this step's, counted (the `data/bad_images` metric)."""
+        rows, feed.rejected = feed.rejected, []
+        for r in rows:
+            log.warning("prompt id %r skipped: %s", r.id, r.row[IMAGE_ERROR])
+        self.step_rows += rows
+        return len(rows)
 
     def _take(self, groups: list[Group], kept: list[Group], dropped: list[Group]) -> None:
         """Score `groups`, consume their prompts, and keep the informative ones (all without dynamic sampling)."""
@@ -368,8 +383,7 @@ class GroupController:
         `rollout.max_aborts` times already (those are waited for). (finished groups, pinned first then in finish
         order; aborted rows). In partial coexistence the first `need` stream to the GenRM as they finish."""
         cfg = self.config
-        encoded = [self.tokenizer(str(r.row["prompt"]))["input_ids"] for r in rows]
-        prompt_ids = [self._clip_prompt(ids) for ids in encoded]
+        encoded = [self.prompts.encode(r.row) for r in rows]
         spec = self._spec()
         order: list[int] = []
         streamed: set[int] = set()
@@ -379,7 +393,7 @@ class GroupController:
             return [
                 Sample(
                     key=f"{step}/{self.layout.dp_rank}/{draw}/{i * spec.n + j}",
-                    prompt=str(row["prompt"]),
+                    prompt=encoded[i].text,
                     response=self._decode(c.token_ids),
                     ground_truth=str(row["ground_truth"]),
                     data_source=str(row["data_source"]),
@@ -400,16 +414,17 @@ class GroupController:
         abort = need < len(rows)
         callback = abort or self.stream_to_genrm
         completions = self.engine.generate(
-            prompt_ids,
+            [e.ids for e in encoded],
             spec,
             on_finished=finished if callback else None,
             finish_after=need if abort else None,
             wait_for=pinned if abort else frozenset(),
+            **self._images(encoded),
         )
         done, aborted = split_finished(order if callback else list(range(len(rows))), len(rows), pinned)
         groups = [
-            Group(rows[i], prompt_ids[i], len(encoded[i]) > cfg.data.max_prompt_tokens, completions[i],
-                  samples_of(i, completions[i]), streamed=i in streamed)
+            Group(rows[i], encoded[i].ids, encoded[i].clipped, completions[i], samples_of(i, completions[i]),
+                  streamed=i in streamed, pixels=encoded[i].pixels)
             for i in done
         ]  # fmt: skip
         return groups, [rows[i] for i in aborted]
@@ -427,7 +442,9 @@ class GroupController:
         """ReMax's baseline: the reward of one greedy response per prompt, [len(groups)]."""
         with self.timer.phase("rollout"):
             outs = self.engine.generate(
-                [g.prompt_ids for g in groups], replace(self._spec(), n=1, temperature=0.0)
+                [g.prompt_ids for g in groups],
+                replace(self._spec(), n=1, temperature=0.0),
+                **self._images(groups),
             )
         samples = [
             replace(
@@ -440,6 +457,12 @@ class GroupController:
         with self.timer.phase("reward", busy=False):
             self.scorer.submit(samples)
             return torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
+
+    def _images(self, prompts: list) -> dict[str, Any]:
+        """The engine's `images` keyword for `prompts` (each with `.pixels`): {} for a text policy."""
+        if self.prompts.layout is None:
+            return {}
+        return {"images": [p.pixels for p in prompts]}
 
     def _spec(self) -> SamplingSpec:
         r = self.config.rollout
@@ -459,6 +482,8 @@ class GroupController:
         prompts = [g.prompt_ids for g in groups for _ in range(n)]
         batch = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat], self.pad_id, n)
         batch.rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        if self.prompts.layout is not None:
+            batch.pixel_values, batch.image_count = stack_images([g.pixels for g in groups], n)
         batch.truncated = sum(c.finish_reason == "length" for c in flat)
         batch.prompts_clipped = sum(g.clipped for g in groups)
         return batch
@@ -515,10 +540,6 @@ class GroupController:
     def _decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def _clip_prompt(self, ids: list[int]) -> list[int]:
-        """Keep the last `data.max_prompt_tokens` tokens (counted in the `prompts_clipped` metric)."""
-        limit = self.config.data.max_prompt_tokens
-        return ids[-limit:] if len(ids) > limit else ids
 
     # ---- collectives ------------------------------------------------------------------------------
     def _broadcast_in_group(self, batch: RolloutBatch | None) -> RolloutBatch:
@@ -559,12 +580,14 @@ class GroupController:
                 stop_token_ids=self.stop_ids,
             )
             self.engine.wake()
-            for rows in self.eval_shard.iter_batches(batch_size=256, batch_format="numpy"):
-                prompts = [self._clip_prompt(self.tokenizer(str(p))["input_ids"]) for p in rows["prompt"]]
-                outs = self.engine.generate(prompts, spec)
+            for batch in self.eval_shard.iter_batches(batch_size=256, batch_format="numpy"):
+                rows = [{c: v[i] for c, v in batch.items()} for i in range(len(batch["prompt"]))]
+                rows = [r for r in rows if not r.get(IMAGE_ERROR)]  # images that did not load: not scored
+                encoded = [self.prompts.encode(r) for r in rows]
+                outs = self.engine.generate([e.ids for e in encoded], spec, **self._images(encoded))
                 items = [
-                    (self._decode(group[0].token_ids), str(gt), str(src))
-                    for group, gt, src in zip(outs, rows["ground_truth"], rows["data_source"])
+                    (self._decode(group[0].token_ids), str(r["ground_truth"]), str(r["data_source"]))
+                    for group, r in zip(outs, rows)
                 ]
                 r = self.config.reward
                 for reward in score_with_rule(self.reward_fn, items, r.function, r.on_error):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from yatt_ray.config import DynamicSampling
 from yatt_ray.data.feed import FeedRow
@@ -36,6 +37,7 @@ class Group:
     samples: list[Sample]
     streamed: bool = False  # already submitted to the GenRM as it finished (partial coexistence)
     rewards: list[float] = field(default_factory=list)
+    pixels: Any = None  # the prompt's images, [I, 3, H, W] float32 (a vision-language policy), else None
 
 
 def groups_to_finish(need: int, keep_rate: float = 1.0) -> int:

@@ -108,9 +108,10 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     from yatt_ray.data import check_sources
     from yatt_ray.data.sources import first_row
     from yatt_ray.reward.rules import check_reward_fn, resolve_reward_fn
-    from yatt_ray.train.hf_convert import LlamaShape, check_tp_size
+    from yatt_ray.train.hf_convert import LlamaShape, check_tp_size, is_vision_model
 
     shape = LlamaShape.from_hf_dir(config.model.path)
+    images = is_vision_model(config.model.path)
     check_tp_size(shape, config.train.tp_size)
     if config.critic.enable and config.critic.path:
         critic = LlamaShape.from_hf_dir(config.critic.path)
@@ -128,13 +129,13 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} exceeds the model's "
             f"max_position_embeddings ({shape.max_positions}); lower one of them"
         )
-    files = {"train": check_sources(config.data, min_rows=config.train.prompts_per_step)}
+    files = {"train": check_sources(config.data, min_rows=config.train.prompts_per_step, images=images)}
     if config.reward.mode != "genrm" or config.reward.genrm.on_parse_error == "rule":  # the rule is used
         _, truth, source = first_row(config.data, files["train"])
         fn = resolve_reward_fn(config.reward.function)
         check_reward_fn(fn, config.reward.function, truth, source, config.reward.on_error)
     if config.data.eval_files:
-        files["eval"] = check_sources(config.data, key="data.eval_files")
+        files["eval"] = check_sources(config.data, key="data.eval_files", images=images)
     return files
 
 
@@ -202,7 +203,8 @@ def _resolve_engine(config: Config, on_gpu: bool) -> None:
     """
     from yatt_ray.rollout import resolve_engine_kind
 
-    if config.rollout.engine != "auto":
+    if config.rollout.engine != "auto":  # checked: installed, and the CPU engine can run the model
+        resolve_engine_kind(config.rollout.engine, config.model.path, on_gpu=on_gpu)
         return
     if config.train.tp_size > 1:
         config.rollout.engine = "hf"
@@ -288,17 +290,23 @@ def _trainer(
     from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
+    from yatt_ray.train.hf_convert import is_vision_model
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
+    pixels = None
+    if is_vision_model(config.model.path):  # images are decoded and processed in Ray Data tasks
+        from yatt_ray.data.images import ClipPixels
+
+        pixels = ClipPixels(config.model.path)
     eval_shards = None
     if "eval" in files:
         eval_data = dataclasses.replace(config.data, shuffle_seed=None)
-        eval_shards = build_dataset(eval_data, files["eval"]).streaming_split(plan.dp_size, equal=True)
+        eval_shards = build_dataset(eval_data, files["eval"], pixels).streaming_split(plan.dp_size, equal=True)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
-            "train_dataset": build_dataset(config.data, files["train"]),  # split in data/feed.py
+            "train_dataset": build_dataset(config.data, files["train"], pixels),  # split in data/feed.py
             "eval_shards": eval_shards,
             **actors,
         },

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from yatt_ray.data.images import ERROR as IMAGE_ERROR  # why a row's images did not load ('' when they did)
 from yatt_ray.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class PromptFeed:
         self.consumed: Position = {e: list(ids) for e, ids in (carried or {}).items()}
         self.queue: deque[FeedRow] = deque()
         self.last_ids: list = []  # ids of the latest `next()` batch
+        self.rejected: list[FeedRow] = []  # rows with images that did not load, consumed; the controller drains it
         self.epoch = self.rest[0][0] if self.rest else epoch  # epoch of the latest row read from the stream
         self._warned_ids = False
         self._buffer: deque[FeedRow | None] = deque()  # rows of the fetched batch not pulled yet
@@ -136,7 +138,9 @@ class PromptFeed:
     # ---- reading ------------------------------------------------------------------------------------
     def pull(self, k: int) -> None:
         """Read `k` rows of the stream (blocks until they arrive); the unconsumed ones join the back of the
-        queue (a resumed epoch's consumed rows are read past)."""
+        queue (a resumed epoch's consumed rows are read past), except rows whose images did not load (a
+        non-empty `image_error`): those are consumed at once and kept in `rejected` for the controller to
+        count, so the queue may grow by fewer than `k`."""
         for _ in range(k):
             if not self._buffer:
                 epoch, batch = next(self._batches)
@@ -145,8 +149,13 @@ class PromptFeed:
                 self._buffer.extend([None] * int(skip.sum()) + list(rows))  # None: a consumed row's place
                 self.epoch = epoch
             row = self._buffer.popleft()
-            if row is not None:
-                self.epoch = row.epoch
+            if row is None:
+                continue
+            self.epoch = row.epoch
+            if row.row.get(IMAGE_ERROR):  # images that did not load (data.on_bad_image=skip): consumed, set aside
+                self.consume([row])
+                self.rejected.append(row)
+            else:
                 self.queue.append(row)
 
     def pop(self, k: int) -> list[FeedRow]:

@@ -5,6 +5,11 @@ file exists, that the configured columns are present and that it holds rows, and
 Parquet files are checked from their footer metadata (plus the id column); jsonl files have no metadata, so
 they are streamed line by line (each line parsed once, none kept). `first_row` reads one row (the reward
 function's dry call). `build_dataset` is lazy: rows are read by Ray Data tasks, never by the driver.
+
+Images (a vision-language policy): with `images=True` the image column (`data.image_key`) must be in every
+file (parquet: its footer; the driver reads no image), and `build_dataset` decodes each row's images and runs
+the image processor in Ray Data tasks (`yatt_ray.data.images`), after the shuffle. A text policy given files
+with that column is stopped before any work (its `<image>` placeholders would be trained as text).
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 _MISSING = object()  # an id column that a file (or a jsonl line) lacks
 
 
-def check_sources(data: DataConfig, key: str = "data.train_files", min_rows: int = 1) -> list[str]:
+def check_sources(
+    data: DataConfig, key: str = "data.train_files", min_rows: int = 1, images: bool = False
+) -> list[str]:
     """Expanded file list for `key` (data.train_files or data.eval_files); DataError naming file, column, fix.
 
     Raises on a missing file, a missing prompt / answer column, an empty file, a malformed jsonl line (its
     1-based number) and fewer than `min_rows` rows over all the files; warns when ids (`data.id_key`) are
-    missing or repeated, since the data position of a checkpoint is a set of ids.
+    missing or repeated, since the data position of a checkpoint is a set of ids. `images`: the policy reads
+    images, so every file needs the image column; without, no file may have it (a non-empty data.image_key).
     """
     patterns = data.train_files if key == "data.train_files" else data.eval_files
     if not patterns:
@@ -49,7 +57,7 @@ def check_sources(data: DataConfig, key: str = "data.train_files", min_rows: int
     ids = _IdTally(data.id_key)
     rows = 0
     for url in files:
-        rows += _check_file(url, data, ids)
+        rows += _check_file(url, data, ids, images)
     if rows < min_rows:
         raise DataError(
             f"{key} holds {rows} rows over {len(files)} file(s), fewer than the {min_rows} needed (one step's "
@@ -132,30 +140,42 @@ class _IdTally:
             )
 
 
-def _check_file(url: str, data: DataConfig, ids: _IdTally) -> int:
+def _check_file(url: str, data: DataConfig, ids: _IdTally, images: bool = False) -> int:
     """The number of rows in `url`, after checking its columns and (jsonl) every line."""
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         raise DataError(f"data file {url!r} does not exist; check the data file lists")
     if _format(path) == "parquet":
-        rows = _check_parquet(fs, path, url, data, ids)
+        rows = _check_parquet(fs, path, url, data, ids, images)
     else:
-        rows = _check_jsonl(fs, path, url, data, ids)
+        rows = _check_jsonl(fs, path, url, data, ids, images)
     if rows == 0:
         raise DataError(f"data file {url!r} holds no rows; remove it from the data file lists or fill it")
     return rows
 
 
-def _need_columns(url: str, columns: set, data: DataConfig, where: str = "") -> None:
+def _need_columns(url: str, columns: set, data: DataConfig, where: str = "", images: bool = False) -> None:
     for key_name, column in (("data.prompt_key", data.prompt_key), ("data.answer_key", data.answer_key)):
         if column not in columns:
             raise DataError(
                 f"data file {url!r}{where} has no column {column!r} ({key_name}); its columns are "
                 f"{sorted(columns)}. Set {key_name}=<column> to the right one."
             )
+    if images and data.image_key not in columns:
+        raise DataError(
+            f"data file {url!r}{where} has no image column {data.image_key!r} (data.image_key) but the policy "
+            f"(model.path) is a vision-language model; its columns are {sorted(columns)}. Set "
+            "data.image_key=<column> to the column holding each row's images, or train a text model."
+        )
+    if not images and data.image_key and data.image_key in columns:
+        raise DataError(
+            f"data file {url!r}{where} has an image column {data.image_key!r} (data.image_key) but the policy "
+            "(model.path) is a text-only model, which would read the prompts' <image> placeholders as text. "
+            "Point model.path at a LLaVA-architecture model, or set data.image_key='' to train on the text alone."
+        )
 
 
-def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally) -> int:
+def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally, images: bool = False) -> int:
     import pyarrow.parquet as pq
 
     with fs.open(path, "rb") as f:
@@ -167,7 +187,7 @@ def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally) -> 
                 "or fix its extension"
             ) from exc
         columns = set(metadata.schema.to_arrow_schema().names)
-        _need_columns(url, columns, data)
+        _need_columns(url, columns, data, images=images)
         if metadata.num_rows and data.id_key in columns:
             f.seek(0)
             for value in pq.read_table(f, columns=[data.id_key]).column(0).to_pylist():
@@ -177,12 +197,12 @@ def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally) -> 
     return int(metadata.num_rows)
 
 
-def _check_jsonl(fs, path: str, url: str, data: DataConfig, ids: _IdTally) -> int:
+def _check_jsonl(fs, path: str, url: str, data: DataConfig, ids: _IdTally, images: bool = False) -> int:
     rows, missing = 0, False
     with fs.open(path, "r") as f:
         for number, obj in _jsonl_rows(f, url):
             if rows == 0:
-                _need_columns(url, set(obj), data, where=f" (line {number})")
+                _need_columns(url, set(obj), data, where=f" (line {number})", images=images)
             else:
                 for key_name, column in (
                     ("data.prompt_key", data.prompt_key),
@@ -224,12 +244,18 @@ def _jsonl_rows(f, url: str) -> Iterator[tuple[int, dict]]:
         yield number, obj
 
 
-def build_dataset(data: DataConfig, files: list[str]):
+def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
     """A lazy Ray Dataset with columns PROMPT_COLUMNS (id, prompt, ground_truth, data_source).
 
-    A file without the id or data-source column gets -1 ids and source "default".
+    A file without the id or data-source column gets -1 ids and source "default". `pixels` (a vision policy's
+    image processor, e.g. `yatt_ray.data.images.ClipPixels(model_dir)`): the image column is read too and, in
+    Ray Data tasks after the shuffle, decoded and processed into the columns `images.PIXELS` (float32
+    [I, 3, H, W] a row), `images.SIZES` and `images.ERROR` (see `images.decode_images_batch`; bad rows are
+    kept, flagged, under data.on_bad_image=skip).
     """
     import ray.data
+
+    from yatt_ray.data.images import decode_images_batch
 
     reader = ray.data.read_parquet if _format(files[0]) == "parquet" else ray.data.read_json
     keys = {
@@ -237,6 +263,7 @@ def build_dataset(data: DataConfig, files: list[str]):
         "prompt": data.prompt_key,
         "ground_truth": data.answer_key,
         "data_source": data.source_key,
+        **({"images": data.image_key} if pixels is not None else {}),
     }
     defaults = {"id": -1, "data_source": "default"}
 
@@ -249,4 +276,7 @@ def build_dataset(data: DataConfig, files: list[str]):
     ds = reader(files).map_batches(to_canonical, batch_format="numpy")
     if data.shuffle_seed is not None:
         ds = ds.random_shuffle(seed=data.shuffle_seed)
+    if pixels is not None:
+        options = {"image_column": "images", "processor_fn": pixels, "on_bad_image": data.on_bad_image}
+        ds = ds.map_batches(decode_images_batch, batch_format="numpy", fn_kwargs=options)
     return ds

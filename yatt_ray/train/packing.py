@@ -39,7 +39,8 @@ class SharedPrefixRows:
     input_ids [G, L] token ids (0 on padding); position_ids [G, L] RoPE positions; segment [G, L] 0 = shared
     body, j >= 1 = a row's own tokens, -1 = padding;; targets [G, L] the token each position predicts (0 where
     none); source [B, T-1] long: for original column t (which predicts original token t+1) the flat index into
-    a [G * L] tensor of the position that predicts it, or G * L (a zero) where token t+1 is not real.
+    a [G * L] tensor of the position that predicts it, or G * L (a zero) where token t+1 is not real;
+    first_row [G] long: the original row whose tokens packed row g starts with (its prompt is g's prompt).
     """
 
     input_ids: Tensor
@@ -47,6 +48,7 @@ class SharedPrefixRows:
     segment: Tensor
     targets: Tensor
     source: Tensor
+    first_row: Tensor
 
     def attention_mask(self) -> Tensor:
         """[G, 1, L, L] bool, True = masked (see the module docstring); a query always sees itself."""
@@ -112,7 +114,8 @@ def pack_shared_prefix(
                 place = torch.cat([torch.arange(body), at + torch.arange(own)])[: len(s) - 1]
                 source[i, cols[i][1:] - 1] = r * length + place
             at += own
-    return SharedPrefixRows(ids, pos, seg, tgt, source)
+    first_row = torch.tensor([sub[0] for sub, _, _ in units], dtype=torch.long)
+    return SharedPrefixRows(ids, pos, seg, tgt, source, first_row)
 
 
 def _common_prefix(seqs: list[Tensor]) -> int:

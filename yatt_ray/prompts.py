@@ -1,0 +1,97 @@
+"""Prompt rows -> what the rollout engine and the trainer read: the prompt's text, its token ids, its images.
+
+A row's prompt is a string, or a list of chat messages rendered by the tokenizer's chat template with the
+generation prompt (`yatt_ray.data.images.prompt_text`). For a vision-language policy (`ImageLayout` from its
+config.json) each `<image>` placeholder becomes `tokens_per_image` copies of the image token, as the model's
+processor does, so the rollout engine and the trainer see the same token positions; the row's pixels
+(`images.PIXELS`, [I, 3, H, W] from the Ray Data task) travel beside the ids.
+
+Prompts longer than `data.max_prompt_tokens` keep their last tokens (counted in `prompts_clipped`), unless
+that would cut an image's tokens: that is a DataError naming the row and the length it needs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from yatt_ray.data.images import PIXELS, prompt_text
+from yatt_ray.errors import DataError
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How a LLaVA policy reads an image: the id of its image token and how many positions one image takes."""
+
+    token_id: int
+    tokens_per_image: int
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ImageLayout | None:
+        """From `<path>/config.json`: None for a text model (or no config.json: the driver checked the model).
+        Tokens per image = (image_size / patch_size)^2 patches, + 1 (the class token) when
+        `vision_feature_select_strategy` is "full"."""
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            return None
+        cfg = json.loads(config_file.read_text())
+        vision = cfg.get("vision_config")
+        if vision is None:
+            return None
+        token = cfg.get("image_token_id", cfg.get("image_token_index"))
+        if token is None:
+            raise DataError(f"{path}/config.json has a vision_config but no image_token_id (image_token_index)")
+        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+        full = cfg.get("vision_feature_select_strategy", "default") == "full"
+        return cls(int(token), patches + int(full))
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One prompt: `text` (what the reward sees), token `ids` (images expanded, clipped), whether it was
+    clipped, and its images' pixels [I, 3, H, W] float32 (None for a text policy)."""
+
+    text: str
+    ids: list[int]
+    clipped: bool
+    pixels: torch.Tensor | None = None
+
+
+class PromptEncoder:
+    """`encode(row)` for a row of the prompt stream (column -> value; `id`, `prompt`, and for a vision policy
+    `images.PIXELS`)."""
+
+    def __init__(self, tokenizer: Any, max_tokens: int, layout: ImageLayout | None = None) -> None:
+        self.tokenizer, self.max_tokens, self.layout = tokenizer, max_tokens, layout
+
+    def encode(self, row: dict) -> Encoded:
+        text = prompt_text(row["prompt"], self.tokenizer, row_id=row.get("id"))
+        ids = list(self.tokenizer(text)["input_ids"])
+        pixels = None
+        if self.layout is not None:
+            pixels = torch.from_numpy(np.ascontiguousarray(row[PIXELS], dtype=np.float32))
+            ids = expand_image_tokens(ids, self.layout.token_id, self.layout.tokens_per_image)
+        clipped = len(ids) > self.max_tokens
+        if clipped:
+            cut = ids[: len(ids) - self.max_tokens]
+            if self.layout is not None and self.layout.token_id in cut:
+                raise DataError(
+                    f"prompt id {row.get('id')!r}: {len(ids)} tokens with its images' tokens, more than "
+                    f"data.max_prompt_tokens={self.max_tokens}, and keeping the last ones would cut an image; "
+                    f"raise data.max_prompt_tokens to at least {len(ids)}"
+                )
+            ids = ids[-self.max_tokens :]
+        return Encoded(text, ids, clipped, pixels)
+
+
+def expand_image_tokens(ids: list[int], token_id: int, tokens_per_image: int) -> list[int]:
+    """Each `token_id` in `ids` repeated `tokens_per_image` times (one placeholder -> one image's positions)."""
+    out: list[int] = []
+    for t in ids:
+        out.extend([t] * tokens_per_image if t == token_id else [t])
+    return out
