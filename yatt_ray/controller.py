@@ -494,12 +494,15 @@ class GroupController:
         policy trains this step: not during the critic's warm-up)."""
         cfg, batching = self.config, self.batching
         ids, mask = batch.input_ids, batch.attention_mask
+        images = None if batch.pixel_values is None else {"pixel_values": batch.pixel_values,
+                                                           "image_count": batch.image_count}  # fmt: skip
         if is_on_policy(cfg.algo, self.kl_ctl.value) and self._policy_moves(step):
             batch.old_logp = None
         else:
-            batch.old_logp = batch.response(self.policy.log_probs(ids, mask, **batching)[0])
+            batch.old_logp = batch.response(self.policy.log_probs(ids, mask, images=images, **batching)[0])
         if cfg.algo.kl_coef > 0:
-            batch.ref_logp = batch.response(self.policy.log_probs(ids, mask, reference=True, **batching)[0])
+            ref = self.policy.log_probs(ids, mask, reference=True, images=images, **batching)[0]
+            batch.ref_logp = batch.response(ref)
         if self.critic is not None:
             batch.values = batch.response(self.critic.values(ids, mask, **batching))
         if cfg.algo.tis_cap is not None and batch.old_logp is not None:
@@ -539,7 +542,6 @@ class GroupController:
 
     def _decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
 
     # ---- collectives ------------------------------------------------------------------------------
     def _broadcast_in_group(self, batch: RolloutBatch | None) -> RolloutBatch:

@@ -112,6 +112,11 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
 
     shape = LlamaShape.from_hf_dir(config.model.path)
     images = is_vision_model(config.model.path)
+    if images and config.critic.enable:
+        raise ConfigError(
+            f"model.path={config.model.path!r} is a vision-language model, and the PPO critic reads text only; "
+            "train it with a critic-free algorithm (algo.name=grpo, rloo, reinforce_pp or remax)"
+        )
     check_tp_size(shape, config.train.tp_size)
     if config.critic.enable and config.critic.path:
         critic = LlamaShape.from_hf_dir(config.critic.path)
@@ -301,7 +306,9 @@ def _trainer(
     eval_shards = None
     if "eval" in files:
         eval_data = dataclasses.replace(config.data, shuffle_seed=None)
-        eval_shards = build_dataset(eval_data, files["eval"], pixels).streaming_split(plan.dp_size, equal=True)
+        eval_shards = build_dataset(eval_data, files["eval"], pixels).streaming_split(
+            plan.dp_size, equal=True
+        )
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={

@@ -22,6 +22,7 @@ import torch
 
 from yatt_ray.data.images import PIXELS, prompt_text
 from yatt_ray.errors import DataError
+from yatt_ray.train.vision import expand_image_tokens
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,9 @@ class ImageLayout:
             return None
         token = cfg.get("image_token_id", cfg.get("image_token_index"))
         if token is None:
-            raise DataError(f"{path}/config.json has a vision_config but no image_token_id (image_token_index)")
+            raise DataError(
+                f"{path}/config.json has a vision_config but no image_token_id (image_token_index)"
+            )
         patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
         full = cfg.get("vision_feature_select_strategy", "default") == "full"
         return cls(int(token), patches + int(full))
@@ -74,8 +77,10 @@ class PromptEncoder:
         ids = list(self.tokenizer(text)["input_ids"])
         pixels = None
         if self.layout is not None:
-            pixels = torch.from_numpy(np.ascontiguousarray(row[PIXELS], dtype=np.float32))
-            ids = expand_image_tokens(ids, self.layout.token_id, self.layout.tokens_per_image)
+            pixels = torch.from_numpy(
+                np.array(row[PIXELS], dtype=np.float32)
+            )  # a copy: Ray hands read-only arrays
+            ids = expand_image_tokens(ids, self.layout.token_id, self.layout.tokens_per_image, len(pixels))
         clipped = len(ids) > self.max_tokens
         if clipped:
             cut = ids[: len(ids) - self.max_tokens]
@@ -87,11 +92,3 @@ class PromptEncoder:
                 )
             ids = ids[-self.max_tokens :]
         return Encoded(text, ids, clipped, pixels)
-
-
-def expand_image_tokens(ids: list[int], token_id: int, tokens_per_image: int) -> list[int]:
-    """Each `token_id` in `ids` repeated `tokens_per_image` times (one placeholder -> one image's positions)."""
-    out: list[int] = []
-    for t in ids:
-        out.extend([t] * tokens_per_image if t == token_id else [t])
-    return out

@@ -80,7 +80,13 @@ def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
         "grad_clip": t.grad_clip,
         "seed": t.seed,
     }
-    policy = MegatronPolicy(config.model.path, lr=t.lr, with_reference=config.algo.kl_coef > 0, **common)
+    policy = MegatronPolicy(
+        config.model.path,
+        lr=t.lr,
+        with_reference=config.algo.kl_coef > 0,
+        train_vision=config.model.train_vision,
+        **common,
+    )
     critic = None
     if config.critic.enable:  # from critic.path, or the policy's trunk with a fresh scalar head
         critic = MegatronCritic(config.critic.path or config.model.path, lr=config.critic.lr, **common)

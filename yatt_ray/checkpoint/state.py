@@ -16,14 +16,28 @@ import torch
 
 
 def trainer_state(trainer) -> dict[str, Any]:
-    """The live (not copied) model and optimizer state of a `MegatronTrainerBase`; the writer snapshots it."""
-    return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+    """The live (not copied) model and optimizer state of a `MegatronTrainerBase`; the writer snapshots it.
+    A vision policy whose encoder trains (model.train_vision) adds the encoder and its optimizer."""
+    state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+    side = trainer._side_optimizer()
+    if side is not None:
+        state.update(encoder=trainer.encoder.state_dict(), encoder_optimizer=side.state_dict())
+    return state
 
 
 def load_trainer_state(trainer, state: dict[str, Any]) -> None:
     """Copy a `trainer_state` back into `trainer` (same shapes: same model and tensor-parallel size)."""
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
+    side = trainer._side_optimizer()
+    if side is not None:
+        if "encoder" not in state:
+            raise ValueError(
+                "the checkpoint holds no vision encoder state but model.train_vision trains the encoder; "
+                "resume with the model.train_vision the run started with"
+            )
+        trainer.encoder.load_state_dict(state["encoder"])
+        side.load_state_dict(state["encoder_optimizer"])
 
 
 def rng_state() -> dict[str, Any]:

@@ -129,7 +129,9 @@ class PromptFeed:
         self.consumed: Position = {e: list(ids) for e, ids in (carried or {}).items()}
         self.queue: deque[FeedRow] = deque()
         self.last_ids: list = []  # ids of the latest `next()` batch
-        self.rejected: list[FeedRow] = []  # rows with images that did not load, consumed; the controller drains it
+        self.rejected: list[
+            FeedRow
+        ] = []  # rows with images that did not load, consumed; the controller drains it
         self.epoch = self.rest[0][0] if self.rest else epoch  # epoch of the latest row read from the stream
         self._warned_ids = False
         self._buffer: deque[FeedRow | None] = deque()  # rows of the fetched batch not pulled yet
@@ -152,7 +154,9 @@ class PromptFeed:
             if row is None:
                 continue
             self.epoch = row.epoch
-            if row.row.get(IMAGE_ERROR):  # images that did not load (data.on_bad_image=skip): consumed, set aside
+            if row.row.get(
+                IMAGE_ERROR
+            ):  # images that did not load (data.on_bad_image=skip): consumed, set aside
                 self.consume([row])
                 self.rejected.append(row)
             else:

@@ -92,10 +92,24 @@ def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> Engin
         reason = cpu_unsupported_reason(str(model_dir))
         if reason:
             raise ConfigError(f"rollout.engine=vllm: {reason}")
+    if kind == "vllm" and _is_vision(model_dir):
+        raise ConfigError(
+            f"rollout.engine=vllm: {model_dir} is a vision-language model, and image prompts are not wired into "
+            "the vLLM engine yet; use rollout.engine=hf (or auto)"
+        )
     return typing.cast(EngineKind, kind)
 
 
+def _is_vision(model_dir: str | Path) -> bool:
+    from yatt_ray.train.hf_convert import is_vision_model
+
+    return is_vision_model(model_dir)
+
+
 def _auto_kind(model_dir: str, on_gpu: bool) -> str:
+    if on_gpu and _is_vision(model_dir):
+        logger.warning("rollout engine 'auto' -> 'hf': image prompts are not wired into the vLLM engine yet")
+        return "hf"
     if not vllm_available():
         logger.info("rollout engine 'auto' -> 'hf': vLLM is not installed")
         return "hf"

@@ -30,6 +30,7 @@ import torch
 from yatt_ray.errors import ConfigError
 
 FinishReason = Literal["stop", "length"]
+Images = list[torch.Tensor | None]  # per prompt: pixel_values [I_k, C, H, W], or None for a text-only prompt
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class RolloutEngine(Protocol):
         spec: SamplingSpec,
         on_finished: OnFinished | None = None,
         finish_after: None = None,
+        *,
+        images: Images | None = None,
     ) -> list[list[Completion]]: ...
 
     @overload
@@ -154,6 +157,7 @@ class RolloutEngine(Protocol):
         *,
         finish_after: int,
         wait_for: frozenset[int] = frozenset(),
+        images: Images | None = None,
     ) -> list[list[Completion] | None]: ...
 
     def generate(
@@ -163,6 +167,8 @@ class RolloutEngine(Protocol):
         on_finished: OnFinished | None = None,
         finish_after: int | None = None,
         wait_for: frozenset[int] = frozenset(),
+        *,
+        images: Images | None = None,
     ) -> list[list[Completion]] | list[list[Completion] | None]:
         """Outer list: one entry per prompt, in order; inner list: `spec.n` completions.
 
@@ -181,6 +187,9 @@ class RolloutEngine(Protocol):
 
         Prompts are token ids with BOS already included; none may be empty, and
         `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length.
+
+        `images` (vision-language models): per prompt its pixel_values [I, 3, H, W] (the model's image
+        processor's output) or None; each image's tokens are already expanded in the prompt.
         """
         ...
 

@@ -11,7 +11,12 @@ tested against. Semantics follow `yatt_ray.rollout.base`:
 - log-probs: `log_softmax` (float32) of the raw logits HF hands back with `output_logits=True`
   (before temperature and warpers), gathered at the sampled tokens;
 - weight sync: every bucket is copied straight into the model's parameters (no fusion, so no holding back);
-- sleep / wake: on a GPU the model moves to host memory and back; on the CPU both are no-ops.
+- sleep / wake: on a GPU the model moves to host memory and back; on the CPU both are no-ops;
+- images (a LLaVA model, `LlavaForConditionalGeneration`): `generate(..., images=[pixel_values or None per
+  prompt])`; the prompts hold the expanded image tokens (`train.vision.expand_image_tokens`), and a batch's
+  images go to HF `generate` as one `pixel_values` tensor in row order, which is the order the model puts
+  their features into the image-token positions. Weight sync takes LLaVA checkpoint names (either layout) and
+  the language model's `LlamaForCausalLM` names (`model.layers.0...`, as the Megatron trainer exports them).
 """
 
 from __future__ import annotations
@@ -19,15 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 import torch
 from transformers import StoppingCriteria
 
-from yatt_ray.errors import ConfigError, YattError
+from yatt_ray.errors import ConfigError, DataError, YattError
 from yatt_ray.rollout.base import (
     Completion,
     FinishReason,
+    Images,
     OnFinished,
     PrivateRng,
     SamplingSpec,
@@ -41,7 +47,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class HFEngine:
-    """`RolloutEngine` on `transformers` `AutoModelForCausalLM.generate`.
+    """`RolloutEngine` on `transformers` `AutoModelForCausalLM.generate` (`LlavaForConditionalGeneration`
+    for a LLaVA directory, which then also takes images).
 
     Args:
         model_dir: a Hugging Face model directory (config, safetensors; the tokenizer is not needed).
@@ -72,7 +79,22 @@ class HFEngine:
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"HFEngine device={device!r} but torch sees no CUDA device: use device='cpu'")
         self.model_dir = str(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
+        self.image_token_id: int | None = None  # set for a LLaVA model, with tokens_per_image
+        self.tokens_per_image: int | None = None
+        self._image_size: tuple[int, int, int] | None = None  # (channels, height, width)
+        self._rename: Callable[[str], str] | None = None  # weight-sync name map (LLaVA)
+        if _is_llava(self.model_dir):
+            from transformers import LlavaForConditionalGeneration
+
+            from yatt_ray.train.vision import image_shape, image_token_id, llava_module_name, tokens_per_image
+
+            model: Any = LlavaForConditionalGeneration.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
+            self.image_token_id = image_token_id(model.config)
+            self.tokens_per_image = tokens_per_image(model.config)
+            self._image_size = image_shape(model.config)
+            self._rename = llava_module_name  # checkpoint / Llama names -> the model's state_dict names
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
         model.requires_grad_(False)
         model.to(self._device)  # type: ignore[arg-type]  # transformers types `to` oddly
         self._model = model.eval()
@@ -108,6 +130,8 @@ class HFEngine:
         spec: SamplingSpec,
         on_finished: OnFinished | None = None,
         finish_after: None = None,
+        *,
+        images: Images | None = None,
     ) -> list[list[Completion]]: ...
 
     @overload
@@ -119,6 +143,7 @@ class HFEngine:
         *,
         finish_after: int,
         wait_for: frozenset[int] = frozenset(),
+        images: Images | None = None,
     ) -> list[list[Completion] | None]: ...
 
     def generate(
@@ -128,21 +153,30 @@ class HFEngine:
         on_finished: OnFinished | None = None,
         finish_after: int | None = None,
         wait_for: frozenset[int] = frozenset(),
+        *,
+        images: Images | None = None,
     ) -> list[list[Completion]] | list[list[Completion] | None]:
         """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done.
 
         With `finish_after=k`, a batch's `generate` ends as soon as k prompts are complete (counting those of
         earlier batches) and so are those of `wait_for` it holds, later batches are skipped once no `wait_for`
         prompt is left in them, and prompts with an unfinished row are None.
+
+        `images` (LLaVA models only): one entry per prompt, that prompt's pixel_values [I_k, C, H, W] (the
+        image processor's output, images in the order of their image-token runs in the prompt) or None for a
+        text-only prompt. Every sample of the prompt sees its images. The prompt must hold exactly
+        I_k * `tokens_per_image` image tokens (`image_token_id`), already expanded.
         """
         self._check_usable("generate")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
         check_finish_after(finish_after, len(prompts), wait_for)
+        per_prompt = self._check_images(prompts, images)
         if self._asleep:
             raise YattError("HFEngine.generate called while asleep: call wake() first")
         self.last_aborted = 0
         n = spec.n
         rows = [prompt for prompt in prompts for _ in range(n)]
+        row_images = [pixels for pixels in per_prompt for _ in range(n)]
         size = self._max_batch_size or max(len(rows), 1)
         stops = spec.stops(self.eos_token_ids)
         done: list[Completion] = []  # rows so far, in order
@@ -156,7 +190,8 @@ class HFEngine:
             stopper = None
             if finish_after is not None:  # completed per batch with its prompt width
                 stopper = partial(_GroupsDone, start, len(rows), n, finish_after, stops, wait_for)
-            done.extend(self._generate_batch(rows[start : start + size], spec, seed, stopper))
+            batch = slice(start, start + size)
+            done.extend(self._generate_batch(rows[batch], spec, seed, stopper, row_images[batch]))
             for i in range(start // n, len(done) // n):  # prompts whose rows are all in by now
                 group = done[i * n : (i + 1) * n]
                 if groups[i] is None and (finish_after is None or all(_finished(c, spec) for c in group)):
@@ -173,10 +208,12 @@ class HFEngine:
         spec: SamplingSpec,
         seed: int | None,
         stopper: Callable[[int], StoppingCriteria] | None = None,
+        row_images: Images | None = None,
     ) -> list[Completion]:
         """One `model.generate` over `rows`. `stopper(prompt_width)`, when given, makes a stopping criterion
         that may end it early, leaving some rows unfinished (cut short: neither a stop token nor
-        `max_new_tokens` tokens)."""
+        `max_new_tokens` tokens). `row_images[i]`: row i's pixel_values or None; the batch's images go to the
+        model concatenated in row order ([sum I_i, C, H, W]), as its image tokens come row by row."""
         from transformers import GenerationConfig, StoppingCriteriaList
 
         if not rows:
@@ -206,12 +243,17 @@ class HFEngine:
             return_dict_in_generate=True,
             **sampling,
         )
+        pixels = [p for p in (row_images or ()) if p is not None and len(p)]
+        extra = {}
+        if pixels:
+            extra["pixel_values"] = torch.cat(pixels).to(self._device, self._model.dtype)
         with self._rng.active(seed), torch.no_grad():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device),
                 attention_mask=attention_mask.to(self._device),
                 generation_config=config,
                 stopping_criteria=None if stopper is None else StoppingCriteriaList([stopper(width)]),
+                **extra,
             )
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab], raw (pre-processor)
@@ -228,15 +270,62 @@ class HFEngine:
             completions.append(Completion(ids[:length], logprobs[i, :length].tolist(), reason))
         return completions
 
+    def _check_images(self, prompts: list[list[int]], images: Images | None) -> Images:
+        """`images` checked against the prompts (see `generate`) -> one entry per prompt (None = none)."""
+        if images is None:
+            images = [None] * len(prompts)
+        elif not isinstance(images, list | tuple) or len(images) != len(prompts):
+            got = len(images) if isinstance(images, list | tuple) else type(images).__name__
+            raise ConfigError(
+                f"images must be a list with one entry (pixel_values or None) per prompt: {len(prompts)} "
+                f"prompts, images {got}"
+            )
+        given = [i for i, p in enumerate(images) if p is not None]
+        if self.image_token_id is None or self.tokens_per_image is None or self._image_size is None:
+            if given:
+                arch = type(self._model).__name__
+                raise ConfigError(
+                    f"HFEngine: prompt(s) {given[:5]} come with images, but the model in {self.model_dir!r} is "
+                    f"a text-only {arch}: use a LLaVA (LlavaForConditionalGeneration) model directory, or "
+                    "drop the images"
+                )
+            return list(images)
+        from yatt_ray.train.vision import check_image_count
+
+        for i, (prompt, pixels) in enumerate(zip(prompts, images)):
+            if pixels is not None and (
+                not isinstance(pixels, torch.Tensor)
+                or pixels.dim() != 4
+                or tuple(pixels.shape[1:]) != self._image_size
+            ):
+                shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+                c, h, w = self._image_size
+                raise ConfigError(
+                    f"images[{i}] has shape {shape}; the model takes pixel_values [I, {c}, {h}, {w}]: the "
+                    "output of the model directory's image processor"
+                )
+            try:
+                check_image_count(
+                    prompt, 0 if pixels is None else len(pixels), self.image_token_id, self.tokens_per_image
+                )
+            except DataError as e:
+                raise DataError(f"prompt {i}: {e}") from None
+        return list(images)
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a bucket into the model's parameters (names as in `model.state_dict()`)."""
+        """Copy a bucket into the model's parameters (names as in `model.state_dict()`; for a LLaVA model
+        also as in its checkpoint and, for the language model, as in `LlamaForCausalLM`: see
+        `train.vision.llava_module_name`)."""
         self._check_usable("load_weights")
         targets = self._model.state_dict(keep_vars=True)
+        rename = self._rename
         unknown = []
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = targets.get(name)
+                if target is None and rename is not None:
+                    target = targets.get(rename(name))
                 if target is None:
                     unknown.append(name)
                     continue
@@ -289,6 +378,14 @@ class HFEngine:
 
     def __repr__(self) -> str:
         return f"HFEngine({self.model_dir!r}, device={self._device}, max_model_len={self.max_model_len})"
+
+
+def _is_llava(model_dir: str) -> bool:
+    """Whether `model_dir/config.json` is a LLaVA model (model_type "llava")."""
+    import json
+
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "llava"
 
 
 def _finished(completion: Completion, spec: SamplingSpec) -> bool:

@@ -66,6 +66,7 @@ import torch
 from yatt_ray.errors import ConfigError, YattError
 from yatt_ray.rollout.base import (
     Completion,
+    Images,
     OnFinished,
     PrivateRng,
     SamplingSpec,
@@ -213,6 +214,8 @@ class VLLMEngine:
         spec: SamplingSpec,
         on_finished: OnFinished | None = None,
         finish_after: None = None,
+        *,
+        images: Images | None = None,
     ) -> list[list[Completion]]: ...
 
     @overload
@@ -224,6 +227,7 @@ class VLLMEngine:
         *,
         finish_after: int,
         wait_for: frozenset[int] = frozenset(),
+        images: Images | None = None,
     ) -> list[list[Completion] | None]: ...
 
     def generate(
@@ -233,12 +237,20 @@ class VLLMEngine:
         on_finished: OnFinished | None = None,
         finish_after: int | None = None,
         wait_for: frozenset[int] = frozenset(),
+        *,
+        images: Images | None = None,
     ) -> list[list[Completion]] | list[list[Completion] | None]:
         """`LLM.generate` for a plain call; step by step (`_generate_streaming`) with `on_finished` or
-        `finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request)."""
+        `finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request). Image
+        prompts are not served by this engine yet (vision-language policies generate with the "hf" engine)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if images is not None and any(i is not None for i in images):
+            raise ConfigError(
+                "VLLMEngine: image prompts are not wired into the vLLM engine yet (its LLaVA path runs on GPUs "
+                "only and is untested here); use rollout.engine=hf for vision-language policies"
+            )
         self._check_usable("generate")
         self.finish_weight_sync()
         if self._asleep:

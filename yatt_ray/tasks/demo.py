@@ -1,8 +1,9 @@
 """The embedded default run: build the tiny model, warm it up briefly, and write the demo task.
 
-`demo.task` picks the task: `arithmetic` (two-number addition, `yatt_ray.tasks.arithmetic`; the default) or
+`demo.task` picks the task: `arithmetic` (two-number addition, `yatt_ray.tasks.arithmetic`; the default),
 `longtail` (copy a string of heavy-tailed length, `yatt_ray.tasks.longtail`: responses from 2 to 120 tokens,
-for long-tail control and data-parallel balancing). The warm-up is a short supervised pass on the same task
+for long-tail control and data-parallel balancing), or `vision` (add the two digits drawn in an image,
+`yatt_ray.tasks.visual`, with the tiny LLaVA of `yatt_ray.models.tiny_vlm`; `yatt_ray.tasks.vision_demo`). The warm-up is a short supervised pass on the same task
 so that RL starts from a policy that is sometimes right (GRPO needs groups with differing rewards) but far
 from solved; on `longtail` it teaches the model to copy, so its sampled response lengths follow the strings'
 heavy tail. Everything lands in a cache folder keyed by the demo settings (task included), so repeated runs
@@ -24,8 +25,9 @@ import torch
 from yatt_ray.config import Config, DemoConfig
 from yatt_ray.errors import ConfigError
 from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
-from yatt_ray.tasks import arithmetic, longtail
+from yatt_ray.tasks import arithmetic, longtail, visual
 from yatt_ray.tasks.arithmetic import write_parquet
+from yatt_ray.tasks.vision_demo import build_warm_vlm
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +55,26 @@ def prepare_demo(config: Config) -> Config:
     run without evaluation, and given files are used as they are.
     """
     folder = demo_cache_dir(config.demo)
-    if config.demo.task == "longtail" and config.reward.mode != "rule" and config.reward.genrm.path == "":
+    if config.demo.task != "arithmetic" and config.reward.mode != "rule" and config.reward.genrm.path == "":
         raise ConfigError(
-            f"reward.mode={config.reward.mode} with demo.task=longtail: the demo's judge is taught addition "
+            f"reward.mode={config.reward.mode} with demo.task={config.demo.task}: the demo's judge is taught addition "
             "only; set reward.genrm.path to a judge of your own or reward.mode=rule"
         )
     model_dir, train_file, eval_file = folder / "model", folder / "train.parquet", folder / "eval.parquet"
     if config.model.path == "" and not (model_dir / "config.json").exists():
         log.info("building the demo model in %s (%d warm-up steps)", model_dir, config.demo.sft_steps)
-        _build_warm_model(model_dir, config.demo)
+        if config.demo.task == "vision":
+            build_warm_vlm(model_dir, config.demo)
+        else:
+            _build_warm_model(model_dir, config.demo)
+    write = visual.write_rows if config.demo.task == "vision" else write_parquet  # images: a struct column
     if not config.data.train_files and not train_file.exists():
         rows = demo_problems(config.demo, config.demo.train_prompts, seed=config.train.seed + 100)
-        write_parquet(rows, train_file)
+        write(rows, train_file)
     demo_eval = not config.data.train_files and config.data.eval_files is None
     if demo_eval and not eval_file.exists():
         rows = demo_problems(config.demo, config.demo.eval_prompts, seed=7, id_offset=10**8)
-        write_parquet(rows, eval_file)
+        write(rows, eval_file)
     if config.reward.mode != "rule" and config.reward.genrm.path == "":
         prepare_demo_judge(config, folder / "judge")
     if config.model.path == "":
@@ -84,6 +90,8 @@ def demo_problems(demo: DemoConfig, count: int, seed: int, id_offset: int = 0) -
     """`count` rows of the demo's task (`demo.task`), drawn with `seed`."""
     if demo.task == "longtail":
         return longtail.make_problems(count, seed=seed, id_offset=id_offset)
+    if demo.task == "vision":
+        return visual.make_problems(count, seed=seed, id_offset=id_offset)
     return arithmetic.make_problems(count, seed=seed, max_operand=demo.max_operand, id_offset=id_offset)
 
 

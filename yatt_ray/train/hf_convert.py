@@ -48,7 +48,14 @@ class LlamaShape:
         arch = cfg.get("architectures") or []
         if cfg.get("model_type") == "llava" or "LlavaForConditionalGeneration" in arch:
             text = dict(cfg.get("text_config") or {})  # a LLaVA policy: the Llama behind its vision encoder
-            if text.get("model_type", "llama") != "llama":
+            if text.get("model_type", "llama") == "llama":  # transformers' defaults for the keys left out
+                from transformers import LlamaConfig
+
+                text = {**LlamaConfig(**text).to_dict(), "model_type": "llama"}
+                text["tie_word_embeddings"] = bool(
+                    cfg.get("tie_word_embeddings") or text["tie_word_embeddings"]
+                )
+            else:
                 raise ConfigError(
                     f"{source}: a LLaVA model whose language model is {text.get('model_type')!r}; the Megatron "
                     "trainer converts LLaVA with a Llama language model only"

@@ -10,22 +10,37 @@ Gradients are therefore accumulated over micro-batches and SUMMED over data-para
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from yatt_ray.train.hf_convert import StateDict, megatron_to_hf
+from yatt_ray.train.hf_convert import StateDict, is_vision_model, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
 from yatt_ray.train.model import build_gpt_model, forward_packed, load_hf_weights
 from yatt_ray.train.packing import pack_shared_prefix
 from yatt_ray.train.trainer_base import MegatronTrainerBase, write_hf_dir
+from yatt_ray.train.vision import (
+    VisionEncoder,
+    forward_packed_with_images,
+    join_llava_state_dict,
+    load_language_model_weights,
+    packed_image_index,
+    set_trainable,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
 class MegatronPolicy(MegatronTrainerBase):
     """A Llama policy as a Megatron GPTModel under Megatron DDP, with plain AdamW and an optional reference.
+
+    A LLaVA directory (`hf_convert.is_vision_model`) gives a vision-language policy: the Llama in Megatron and
+    the vision tower + projector as a `vision.VisionEncoder` beside it, replicated on every rank, whose image
+    features replace the image tokens' embeddings (`vision.forward_packed_with_images`). `train_vision`: none
+    (the encoder frozen), projector, or all; trained parts have their own AdamW (same settings), their
+    gradients summed over data-parallel ranks and clipped with the model's (one global norm).
 
     Args:
         model_dir: Hugging Face Llama directory (config.json, *.safetensors, tokenizer files).
@@ -34,6 +49,7 @@ class MegatronPolicy(MegatronTrainerBase):
         grad_clip: max global grad norm (<= 0 turns clipping off; the norm is still reported).
         seed: torch and Megatron RNG seed.
         with_reference: also build a frozen copy of the initial weights for reference log-probs.
+        train_vision: for a LLaVA policy, "none" | "projector" | "all" (see above).
     """
 
     def __init__(
@@ -46,28 +62,80 @@ class MegatronPolicy(MegatronTrainerBase):
         grad_clip: float = 1.0,
         seed: int = 0,
         with_reference: bool = False,
+        train_vision: str = "none",
     ):
+        self.vision = is_vision_model(model_dir)
         super().__init__(model_dir, tp_size, lr, weight_decay, betas, grad_clip, seed)
         self.reference = self._build_model().eval().requires_grad_(False) if with_reference else None
+        self.encoder: VisionEncoder | None = None
+        self.reference_encoder: VisionEncoder | None = None
+        self.encoder_optimizer: torch.optim.Optimizer | None = None
+        if self.vision:
+            self.encoder = VisionEncoder.from_hf_dir(self.model_dir).to(self.device)
+            trainable = set_trainable(self.encoder, train_vision)
+            self.reference_encoder = self.encoder
+            if trainable:
+                params = [p for p in self.encoder.parameters() if p.requires_grad]
+                groups = [
+                    {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+                    {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+                ]
+                self.encoder_optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))  # type: ignore[arg-type]
+                if with_reference:  # the reference keeps the initial encoder
+                    self.reference_encoder = copy.deepcopy(self.encoder).requires_grad_(False)
 
     def _build_model(self) -> torch.nn.Module:
         model = build_gpt_model(self.shape)
-        load_hf_weights(model, self.model_dir, self.shape)
+        if self.vision:
+            load_language_model_weights(model, self.model_dir, self.shape)
+        else:
+            load_hf_weights(model, self.model_dir, self.shape)
         return model
 
     def _frozen_modules(self) -> list[torch.nn.Module]:
-        return [] if self.reference is None else [self.reference]
+        modules = [] if self.reference is None else [self.reference]
+        for encoder in (self.encoder, self.reference_encoder):
+            if encoder is not None and all(encoder is not m for m in modules):
+                modules.append(encoder)
+        return modules
+
+    def _side_params(self) -> list[torch.nn.Parameter]:
+        if self.encoder_optimizer is None:
+            return []
+        return [p for group in self.encoder_optimizer.param_groups for p in group["params"]]
+
+    def _side_optimizer(self) -> torch.optim.Optimizer | None:
+        return self.encoder_optimizer
 
     # ---- forward ------------------------------------------------------------------------------------------
 
-    def _forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, group_size: int):
+    def _forward(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        group_size: int,
+        pixel_values: torch.Tensor | None = None,
+        image_count: torch.Tensor | None = None,
+    ):
         """input_ids, attention_mask [B, T] -> (logp, entropy) [B, T-1]; column t predicts token t+1.
 
         Runs on the shared-prefix packing of `group_size` consecutive rows (`packing`): a group's prompt once.
+        A vision policy also takes each row's images: pixel_values [B, I, 3, H, W], image_count [B].
         """
-        packed = pack_shared_prefix(input_ids, attention_mask, group_size).to(self.device)
+        packed = pack_shared_prefix(input_ids, attention_mask, group_size)
         self.forward_tokens += packed.tokens
-        logits = forward_packed(model, packed)  # [G, L, V/tp]
+        if self.encoder is None:
+            logits = forward_packed(model, packed.to(self.device))  # [G, L, V/tp]
+        else:
+            encoder = self.reference_encoder if model is self.reference else self.encoder
+            assert encoder is not None
+            features = self._packed_features(
+                encoder, packed, input_ids, attention_mask, pixel_values, image_count
+            )
+            logits = forward_packed_with_images(
+                model, packed.to(self.device), features, encoder.image_token_id
+            )
         logp, entropy = token_logprobs_and_entropy(logits, packed.targets, self.tp_group)
         return packed.unpack(logp), packed.unpack(entropy)
 
@@ -80,6 +148,7 @@ class MegatronPolicy(MegatronTrainerBase):
         reference: bool = False,
         max_tokens_per_micro_batch: int | None = None,
         group_size: int = 1,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log p(input_ids[:, t+1] | input_ids[:, :t+1]) and entropy, each [B, T-1] float32 (CPU).
 
@@ -88,7 +157,7 @@ class MegatronPolicy(MegatronTrainerBase):
         real length) when that is given; rows come back in their original order either way. `group_size`
         consecutive rows (a prompt's samples) are packed together, their common prefix computed once.
         `reference=True` uses the frozen reference model (built with `with_reference=True`). Call `onload()`
-        first if the weights were offloaded.
+        first if the weights were offloaded. `images`: a vision policy's {"pixel_values", "image_count"} rows.
         """
         if reference and self.reference is None:
             raise RuntimeError("reference log-probs need MegatronPolicy(..., with_reference=True)")
@@ -100,10 +169,32 @@ class MegatronPolicy(MegatronTrainerBase):
             attention_mask,
             micro_batch_size,
             max_tokens_per_micro_batch,
-            lambda ids, mask: self._forward(model, ids, mask, group_size),
+            lambda ids, mask, **rows: self._forward(model, ids, mask, group_size, **rows),
             group_size,
+            extra=images,
         )
         return logp, entropy
+
+    def _packed_features(self, encoder, packed, input_ids, attention_mask, pixel_values, image_count):
+        """Image features [N, D] for the N image tokens of `packed`, in its order: the encoder runs on the images
+        of the rows that lead a packed row only (a group's samples share their prompt's images)."""
+        if pixel_values is None or image_count is None:
+            raise ValueError("a vision-language policy needs pixel_values and image_count with the batch")
+        index = packed_image_index(
+            packed, input_ids, attention_mask, encoder.image_token_id, share_images=True
+        )
+        counts = image_count.tolist()
+        per_image = encoder.tokens_per_image
+        leaders = sorted({int(r) for r in packed.first_row.tolist() if counts[int(r)]})
+        width = int(encoder.config.text_config.hidden_size)
+        flat = torch.zeros(sum(counts) * per_image, width, device=self.device)
+        if leaders:
+            images = torch.cat([pixel_values[r, : counts[r]] for r in leaders]).to(self.device)
+            features = encoder(images).reshape(-1, width)
+            starts = [sum(counts[:r]) * per_image for r in leaders]
+            spans = torch.cat([torch.arange(s, s + counts[r] * per_image) for s, r in zip(starts, leaders)])
+            flat = flat.index_put((spans.to(self.device),), features.to(flat.dtype))
+        return flat[index.to(self.device)]
 
     # ---- training -----------------------------------------------------------------------------------------
 
@@ -126,24 +217,37 @@ class MegatronPolicy(MegatronTrainerBase):
         """
 
         def micro_loss(micro: dict) -> tuple[torch.Tensor, dict]:
-            logp, entropy = self._forward(self.model, micro["input_ids"], micro["attention_mask"], group_size)
+            images = {k: micro[k] for k in ("pixel_values", "image_count") if k in micro}
+            logp, entropy = self._forward(
+                self.model, micro["input_ids"], micro["attention_mask"], group_size, **images
+            )
             return loss_fn(logp, entropy, micro)
 
         return self._train_step(batch, micro_batch_size, max_tokens_per_micro_batch, micro_loss, group_size)
 
     # ---- export -------------------------------------------------------------------------------------------
 
-    def hf_state_dict(self) -> StateDict | None:
-        """Full HF-named weights gathered over the TP group (every TP rank must call); None off TP rank 0."""
+    def hf_state_dict(self, trained_only: bool = False) -> StateDict | None:
+        """Full HF-named weights gathered over the TP group (every TP rank must call); None off TP rank 0.
+        A vision policy's come under LLaVA's checkpoint names, the encoder's included (`trained_only`: only
+        its parts that train, for a weight sync)."""
         shards = self._gather_tp_shards()
-        return None if shards is None else megatron_to_hf(shards, self.shape)
+        if shards is None:
+            return None
+        language = megatron_to_hf(shards, self.shape)
+        if self.encoder is None:
+            return language
+        trained = {n for n, p in self.encoder.named_parameters() if p.requires_grad}
+        vision = {n: t for n, t in self.encoder.hf_state_dict().items() if not trained_only or n in trained}
+        return join_llava_state_dict(language, vision)
 
     def iter_hf_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Gather now (collective, every TP rank), then yield [(hf_name, tensor)] lists of <= ~bucket_bytes.
+        """Gather now (collective, every TP rank), then yield [(hf_name, tensor)] lists of <= ~bucket_bytes
+        (what changes in training: a frozen vision encoder is not sent).
 
         A tensor larger than bucket_bytes gets a bucket of its own. Non-zero TP ranks get an empty iterator.
         """
-        sd = self.hf_state_dict()
+        sd = self.hf_state_dict(trained_only=True)
         return iter(()) if sd is None else _buckets(sd, bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path | None:

@@ -35,7 +35,7 @@ from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
 from yatt_ray.train.model import init_parallel_state, seed_everything
 
 MicroLoss = Callable[[dict], tuple[torch.Tensor, dict]]
-RowForward = Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
+RowForward = Callable[..., Sequence[torch.Tensor]]  # (ids [b, T], mask [b, T], **extra rows) -> [b, ...] each
 
 
 class MegatronTrainerBase:
@@ -90,6 +90,14 @@ class MegatronTrainerBase:
         """Extra modules whose weights `offload` / `onload` move too (e.g. a reference model)."""
         return []
 
+    def _side_params(self) -> list[torch.nn.Parameter]:
+        """Trainable parameters outside the Megatron model (e.g. a vision projector): their gradients are
+        summed over data-parallel ranks here, counted in the clipped norm, and `_side_optimizer` steps them."""
+        return []
+
+    def _side_optimizer(self) -> torch.optim.Optimizer | None:
+        return None
+
     # ---- micro-batch loops ---------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -102,9 +110,11 @@ class MegatronTrainerBase:
         max_tokens: int | None,
         forward: RowForward,
         group_size: int = 1,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Run `forward(ids [b, T], mask [b, T]) -> tensors [b, ...]` per micro-batch, in eval mode; groups of
-        `group_size` consecutive rows stay in one micro-batch.
+        """Run `forward(ids [b, T], mask [b, T], **extra rows) -> tensors [b, ...]` per micro-batch, in eval
+        mode; groups of `group_size` consecutive rows stay in one micro-batch. `extra`: more [B, ...] tensors
+        sliced with the rows (a vision policy's `pixel_values`, `image_count`).
 
         Returns each output for all B rows, in the original row order, on the CPU.
         """
@@ -112,11 +122,12 @@ class MegatronTrainerBase:
         if rows == 0:
             raise ValueError("the batch has no rows; nothing to compute")
         model.eval()
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, **(extra or {})}
         outs: list[torch.Tensor] = []
         for index in micro_batch_indices(attention_mask, micro_batch_size, max_tokens, group_size):
             micro = select_rows(batch, rows, index, self.device)
-            results = forward(micro["input_ids"], micro["attention_mask"])
+            ids, mask = micro.pop("input_ids"), micro.pop("attention_mask")
+            results = forward(ids, mask, **micro)
             if not outs:
                 outs = [torch.zeros(rows, *r.shape[1:], dtype=r.dtype) for r in results]
             at = torch.tensor(index, dtype=torch.long)
@@ -156,6 +167,9 @@ class MegatronTrainerBase:
             grad_norm = self._sync_and_clip()
         with self._part("optimizer"):
             self.optimizer.step()
+            side = self._side_optimizer()
+            if side is not None:
+                side.step()
             self._zero_grads()
         return {"grad_norm": grad_norm, "lr": self.lr, **self._sum_over_dp(totals)}
 
@@ -174,6 +188,13 @@ class MegatronTrainerBase:
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             p.grad = p.main_grad
+        side = self._side_params()
+        for p in side:  # summed over data-parallel ranks like the model's (the loss is globally normalised)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if dist.get_world_size(self.dp_group) > 1:
+                dist.all_reduce(p.grad, group=self.dp_group)
+        params += side
         norm = self._grad_norm(params)
         if self.grad_clip > 0 and norm > self.grad_clip:
             scale = self.grad_clip / (norm + 1e-6)
@@ -195,7 +216,7 @@ class MegatronTrainerBase:
 
     def _zero_grads(self) -> None:
         self.model.zero_grad_buffer()
-        for p in self.model.parameters():
+        for p in [*self.model.parameters(), *self._side_params()]:
             p.grad = None
 
     def _sum_over_dp(self, totals: dict[str, float]) -> dict[str, float]:
@@ -212,7 +233,8 @@ class MegatronTrainerBase:
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every parameter group (for a schedule driven by the caller)."""
-        for group in self.optimizer.param_groups:
+        side = self._side_optimizer()
+        for group in [*self.optimizer.param_groups, *(side.param_groups if side is not None else [])]:
             group["lr"] = lr
 
     # ---- export --------------------------------------------------------------------------------------------
@@ -277,8 +299,10 @@ class MegatronTrainerBase:
         tensors = [p.data for p in self.model.parameters()]
         for module in self._frozen_modules():
             tensors += [p.data for p in module.parameters()]
-        for state in self.optimizer.state.values():
-            tensors += [v for v in state.values() if torch.is_tensor(v) and v.numel() > 0]
+        side = self._side_optimizer()
+        for optimizer in [self.optimizer, *([side] if side is not None else [])]:
+            for state in optimizer.state.values():
+                tensors += [v for v in state.values() if torch.is_tensor(v) and v.numel() > 0]
         unique: dict[int, torch.Tensor] = {}
         for t in tensors:
             unique.setdefault(t.untyped_storage().data_ptr(), t)

@@ -1,0 +1,170 @@
+"""The Hugging Face rollout engine on a LLaVA model: images reach generation, greedy output equals
+transformers' own `generate`, log-probs are the raw teacher-forced ones, and weight sync covers the vision
+weights (checkpoint names) and the language model (checkpoint or Llama names)."""
+
+import pytest
+import torch
+
+from yatt_ray.errors import ConfigError, DataError
+from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
+from yatt_ray.models.tiny_vlm import IMAGE_TOKEN_ID
+from yatt_ray.rollout import SamplingSpec
+from yatt_ray.rollout.hf_engine import HFEngine
+from yatt_ray.train.model import read_hf_state_dict
+from yatt_ray.train.vision import expand_image_tokens, split_llava_state_dict
+
+P = 16
+LOGPROB_ATOL = 1e-4  # fp32 on CPU
+GREEDY = SamplingSpec(n=1, max_new_tokens=8, temperature=0.0)
+# prompts with one placeholder per image, expanded as the data side does; prompt 2 is text-only
+RAW = [
+    [1, 20, IMAGE_TOKEN_ID, 30, 31],
+    [1, IMAGE_TOKEN_ID, 40, IMAGE_TOKEN_ID, 41, 42, 43],
+    [1, 50, 51, 52],
+    [1, 60, 61, 62, 63, 64, IMAGE_TOKEN_ID, 65],
+]
+PROMPTS = [expand_image_tokens(p, IMAGE_TOKEN_ID, P) for p in RAW]
+
+
+def _images(pixels, seed):
+    return [pixels(1, seed), pixels(2, seed + 1), None, pixels(1, seed + 2)]
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir):
+    engine = HFEngine(vlm_dir, seed=0)
+    yield engine
+    engine.close()
+
+
+def _hf_greedy(model, prompt, pixel_values, max_new_tokens):
+    """transformers' own greedy `generate` on one unpadded prompt, cut after the first EOS."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, pad_token_id=0
+    )
+    extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config, **extra)
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
+def _hf_logprobs(model, prompt, tokens, pixel_values):
+    """log_softmax of the model's logits at each generated token, teacher-forced, with the images."""
+    extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens]), **extra).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _check_against(engine, model, images, spec=GREEDY):
+    """Engine greedy == HF generate per prompt, token for token; log-probs == teacher-forced HF."""
+    outs = engine.generate(PROMPTS, spec, images=images)
+    for prompt, pix, (completion,) in zip(PROMPTS, images, outs):
+        assert completion.token_ids == _hf_greedy(model, prompt, pix, spec.max_new_tokens)
+        want = _hf_logprobs(model, prompt, completion.token_ids, pix)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=LOGPROB_ATOL, rtol=0)
+    return [c.token_ids for (c,) in outs], [c.logprobs for (c,) in outs]
+
+
+def test_greedy_with_images_matches_hf_generate(engine, hf_vlm, pixels):
+    assert (engine.image_token_id, engine.tokens_per_image) == (IMAGE_TOKEN_ID, P)
+    _check_against(engine, hf_vlm, _images(pixels, 0))
+
+
+def test_images_are_used(engine, pixels):
+    """Other images change the greedy tokens of at least one image prompt and the log-probs of every one;
+    the text-only prompt is unaffected by the other prompts' images."""
+    tokens_a, logp_a = _check_images_run(engine, _images(pixels, 0))
+    tokens_b, logp_b = _check_images_run(engine, _images(pixels, 100))
+    assert any(tokens_a[i] != tokens_b[i] for i in (0, 1, 3))
+    for i in (0, 1, 3):
+        if tokens_a[i][:1] == tokens_b[i][:1]:
+            assert abs(logp_a[i][0] - logp_b[i][0]) > 1e-3
+    assert tokens_a[2] == tokens_b[2]
+    torch.testing.assert_close(torch.tensor(logp_a[2]), torch.tensor(logp_b[2]), atol=1e-5, rtol=0)
+
+
+def _check_images_run(engine, images):
+    outs = engine.generate(PROMPTS, GREEDY, images=images)
+    return [c.token_ids for (c,) in outs], [c.logprobs for (c,) in outs]
+
+
+def test_sampled_rows_see_their_prompt_images(vlm_dir, hf_vlm, pixels):
+    """n > 1 samples and batches that cut across prompts: every row's log-probs are those of its own images."""
+    small = HFEngine(vlm_dir, seed=0, max_batch_size=3)
+    images = _images(pixels, 0)
+    try:
+        outs = small.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=6, seed=3), images=images)
+    finally:
+        small.close()
+    for prompt, pix, group in zip(PROMPTS, images, outs):
+        assert len(group) == 2
+        for c in group:
+            want = _hf_logprobs(hf_vlm, prompt, c.token_ids, pix)
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_weight_sync_covers_projector_tower_and_language_model(engine, vlm_dir, vlm_dir_seed7, pixels):
+    from transformers import LlavaForConditionalGeneration
+
+    images = _images(pixels, 0)
+    old = read_hf_state_dict(vlm_dir)
+    new = read_hf_state_dict(vlm_dir_seed7)
+    before = _check_images_run(engine, images)
+    try:
+        # the projector alone, checkpoint names: outputs change, and equal HF with that projector
+        projector = [(k, v) for k, v in new.items() if k.startswith("multi_modal_projector.")]
+        engine.load_weights(projector)
+        engine.finish_weight_sync()
+        mixed = LlavaForConditionalGeneration.from_pretrained(vlm_dir).eval()
+        result = mixed.load_state_dict(
+            {k.replace("multi_modal_projector.", "model.multi_modal_projector."): v for k, v in projector},
+            strict=False,
+        )
+        assert not result.unexpected_keys
+        after = _check_against(engine, mixed, images)
+        assert after != before
+        # everything of seed 7: the language model under Llama names (as the Megatron trainer exports it),
+        # the tower and projector under checkpoint names, in small buckets
+        lm, vision = split_llava_state_dict(new)
+        items = list(lm.items()) + list(vision.items())
+        for start in range(0, len(items), 7):
+            engine.load_weights(items[start : start + 7])
+        engine.finish_weight_sync()
+        _check_against(engine, LlavaForConditionalGeneration.from_pretrained(vlm_dir_seed7).eval(), images)
+        with pytest.raises(ConfigError, match="not parameters of the model"):
+            engine.load_weights([("vision_tower.no_such.weight", torch.zeros(1))])
+    finally:
+        engine.load_weights(old.items())  # checkpoint names, every weight: back to seed 0
+        engine.finish_weight_sync()
+    assert _check_images_run(engine, images) == before
+
+
+def test_image_errors(engine, tmp_path, pixels):
+    one = pixels(1, 0)
+    with pytest.raises(DataError, match=r"prompt 0: the prompt holds 16 image tokens .* 0 image"):
+        engine.generate(PROMPTS[:1], GREEDY)
+    with pytest.raises(DataError, match=r"prompt 0: .* 2 image\(s\)"):
+        engine.generate(PROMPTS[:1], GREEDY, images=[pixels(2, 0)])
+    with pytest.raises(ConfigError, match="one entry .* per prompt: 2 prompts, images 1"):
+        engine.generate(PROMPTS[:2], GREEDY, images=[one])
+    with pytest.raises(ConfigError, match=r"images\[0\] has shape \(1, 3, 48, 48\).*\[I, 3, 32, 32\]"):
+        engine.generate(PROMPTS[:1], GREEDY, images=[pixels(1, 0, size=48)])
+    # a text-only model
+    text_dir = build_tiny_model(
+        tmp_path, TinyModelSpec(hidden_size=64, intermediate_size=192, num_heads=2, num_kv_heads=1)
+    )
+    text_engine = HFEngine(text_dir)
+    try:
+        with pytest.raises(
+            ValueError, match=r"prompt\(s\) \[0\] come with images.*text-only LlamaForCausalLM"
+        ):
+            text_engine.generate([[1, 5, 6]], GREEDY, images=[one])
+        (group,) = text_engine.generate([[1, 5, 6]], GREEDY, images=[None])
+        assert len(group[0].token_ids) >= 1
+    finally:
+        text_engine.close()
