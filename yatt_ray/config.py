@@ -35,7 +35,8 @@ DynamicSampling = Literal[
 BalanceMode = Literal["off", "tokens", "flops"]  # data-parallel load balancing of the train phase
 DemoTask = Literal["arithmetic", "longtail", "vision"]
 BadImagePolicy = Literal["skip", "raise"]  # a corrupt image or missing path: count and skip the row, or stop
-TrainVision = Literal["none", "projector", "all"]  # which parts of a vision-language policy's encoder train
+TrainVision = Literal["none", "projector", "all"]
+DataLoader = Literal["ray_data", "driver"]  # which parts of a vision-language policy's encoder train
 
 
 class _Section:
@@ -80,6 +81,10 @@ class DataConfig(_Section):
     # entries (verl's layout); the prompt holds one <image> placeholder per image
     image_key: str = "images"
     on_bad_image: BadImagePolicy = "skip"  # skip: counted (data/bad_images), warned, consumed; raise: stop
+    # ray_data: Ray Data tasks read (and decode) the rows, streamed to each controller; driver: the baseline of
+    # single-controller frameworks, for comparison only (release/bench_controllers.py): the driver reads,
+    # decodes and processes every row itself and hands them to Ray as driver-owned blocks
+    loader: DataLoader = "ray_data"
 
 
 @dataclass

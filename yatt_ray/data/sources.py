@@ -273,10 +273,35 @@ def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
         out["ground_truth"] = [str(v) for v in out["ground_truth"]]
         return out
 
-    ds = reader(files).map_batches(to_canonical, batch_format="numpy")
+    options = {"image_column": "images", "processor_fn": pixels, "on_bad_image": data.on_bad_image}
+    if data.loader == "driver":  # the single-controller baseline: every row through the driver's memory
+        batch = to_canonical(_read_all(files))
+        if pixels is not None:
+            batch = decode_images_batch(batch, **options)
+        rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["prompt"]))]
+        ds: ray.data.Dataset = ray.data.from_items(rows)
+    else:
+        ds = reader(files).map_batches(to_canonical, batch_format="numpy")
     if data.shuffle_seed is not None:
         ds = ds.random_shuffle(seed=data.shuffle_seed)
-    if pixels is not None:
-        options = {"image_column": "images", "processor_fn": pixels, "on_bad_image": data.on_bad_image}
+    if pixels is not None and data.loader != "driver":
         ds = ds.map_batches(decode_images_batch, batch_format="numpy", fn_kwargs=options)
     return ds
+
+
+def _read_all(files: list[str]) -> dict:
+    """Every row of `files` in this process, as one numpy-style batch (column -> list of values)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if _format(files[0]) == "parquet":
+        tables = []
+        for url in files:
+            with fsspec.open(url, "rb") as f:
+                tables.append(pq.read_table(f))
+        return pa.concat_tables(tables).to_pydict()
+    rows = []
+    for url in files:
+        with fsspec.open(url, "r") as f:
+            rows += [obj for _, obj in _jsonl_rows(f, url)]
+    return {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
