@@ -168,3 +168,13 @@ def test_image_errors(engine, tmp_path, pixels):
         assert len(group[0].token_ids) >= 1
     finally:
         text_engine.close()
+
+
+def test_the_image_token_is_never_sampled(engine, pixels):
+    """The trainer puts image features at every image token, so a sampled one would break the step: at a
+    temperature that makes the 128 ids nearly uniform (~1/128 each), 512 sampled tokens hold none."""
+    spec = SamplingSpec(n=64, max_new_tokens=8, temperature=50.0, seed=3, ignore_eos=True)
+    out = engine.generate(PROMPTS[:1], spec, images=_images(pixels, 0)[:1])
+    tokens = [t for c in out[0] for t in c.token_ids]
+    assert len(tokens) == 512 and len(set(tokens)) > 64  # the sampling is spread out
+    assert IMAGE_TOKEN_ID not in tokens

@@ -241,6 +241,8 @@ class HFEngine:
             pad_token_id=self._pad_id,
             output_logits=True,
             return_dict_in_generate=True,
+            # a LLaVA model never samples its image token: the trainer puts image features at those places
+            suppress_tokens=None if self.image_token_id is None else [self.image_token_id],
             **sampling,
         )
         pixels = [p for p in (row_images or ()) if p is not None and len(p)]
