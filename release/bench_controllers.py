@@ -6,12 +6,12 @@
 The same `yatt_ray.fit` run of examples/configs/grpo_vision.yaml (the demo's tiny LLaVA, built once into the
 demo cache by `prepare_demo`; GRPO, 32 prompts x 8 samples a step, train.dp_size=2, no checkpoints, no eval)
 in two modes, at each point of a sweep over the image size:
-  - parallel (data.loader=ray_data, yatt_ray's way): Ray Data tasks read the parquet file and decode and
-    process the images; each group's controller streams its own share; the driver reads only the files'
-    metadata (and the id column);
-  - single (data.loader=driver, the baseline of single-controller frameworks): the driver reads every row,
-    images included, decodes and processes them in its own process and hands the rows to Ray as driver-owned
-    blocks, which the workers then pull.
+  - parallel (yatt_ray's way): Ray Data tasks read the parquet file and decode and process the images; each
+    group's controller streams its own share; the driver reads only the files' metadata (and the id column);
+  - single (the baseline of single-controller frameworks, built here: `driver_dataset`, swapped in for the
+    library's `build_dataset` during those runs): the driver reads every row, images included, decodes and
+    processes them in its own process and hands the rows to Ray as driver-owned blocks, which the workers
+    then pull.
 Data per point: `visual.make_problems(--rows, seed 0, image_size=S, noise=64)` (one image of "a+b" a prompt;
 the noise keeps PNG from compressing, so the bytes grow with the area), written by `visual.write_rows` to
 <out>/data/visual_<S>px.parquet in a child process (so this driver never holds the image bytes before the runs).
@@ -71,7 +71,7 @@ CONFIG = REPO / "examples" / "configs" / "grpo_vision.yaml"
 DP = 2
 PROMPTS_PER_STEP = 32
 NOISE = 64
-MODES = {"parallel": "ray_data", "single": "driver"}  # bench name -> data.loader
+MODES = ("parallel", "single")
 MB = 2**20
 
 
@@ -207,11 +207,46 @@ def read_hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+# ---- the single-controller baseline ------------------------------------------------------------------------
+def driver_dataset(data, files: list[str], pixels=None):
+    """What a single-controller framework does with the data: the driver reads every row of `files` (images
+    included) into its own memory, decodes and processes the images there (the library's own functions, so
+    the rows are the same), and hands the rows to Ray as driver-owned blocks (`ray.data.from_items`), from
+    which the workers' streams then pull. Same signature and columns as `yatt_ray.data.build_dataset`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    from yatt_ray.data.images import decode_images_batch
+    from yatt_ray.data.sources import canonical_columns
+
+    table = pa.concat_tables([pq.read_table(f) for f in files])
+    batch = canonical_columns(data, images=pixels is not None)(table.to_pydict())
+    if pixels is not None:
+        batch = decode_images_batch(batch, "images", pixels, data.on_bad_image)
+    ds = ray.data.from_items([{k: v[i] for k, v in batch.items()} for i in range(len(batch["prompt"]))])
+    return ds.random_shuffle(seed=data.shuffle_seed) if data.shuffle_seed is not None else ds
+
+
+@contextlib.contextmanager
+def single_controller():
+    """fit() builds its datasets with `driver_dataset` inside this block (it imports `build_dataset` from
+    `yatt_ray.data` when it starts the trainer)."""
+    import yatt_ray.data
+
+    library = yatt_ray.data.build_dataset
+    yatt_ray.data.build_dataset = driver_dataset
+    try:
+        yield
+    finally:
+        yatt_ray.data.build_dataset = library
+
+
 # ---- runs --------------------------------------------------------------------------------------------------
 def overrides(mode: str, point: Point, model: str, steps: int, out: Path) -> list[str]:
     return [
         f"model.path={model}", f"data.train_files=[{point.path}]", "data.eval_files=[]",
-        f"data.loader={MODES[mode]}", f"train.steps={steps}", f"train.prompts_per_step={PROMPTS_PER_STEP}",
+        f"train.steps={steps}", f"train.prompts_per_step={PROMPTS_PER_STEP}",
         f"train.dp_size={DP}", "checkpoint.enable=false", f"output.dir={out / f'{mode}_{point.size}px'}",
         "output.progress=false", "output.plot=false", "output.tensorboard=false",
     ]  # fmt: skip
@@ -220,7 +255,7 @@ def overrides(mode: str, point: Point, model: str, steps: int, out: Path) -> lis
 def measured_fit(mode: str, point: Point, model: str, steps: int, out: Path) -> Run:
     """One fit() with the driver's and the workers' RSS sampled throughout."""
     cfg = yatt_ray.load_config(CONFIG, overrides(mode, point, model, steps, out))
-    print(f"\n== {mode} (data.loader={MODES[mode]}), {point.size} px, {steps} steps", flush=True)
+    print(f"\n== {mode}, {point.size} px, {steps} steps", flush=True)
     release_freed_memory()
     sampler = PeakRss(exclude=train_worker_pids())
     hwm = reset_hwm()
@@ -228,7 +263,8 @@ def measured_fit(mode: str, point: Point, model: str, steps: int, out: Path) -> 
     start = time.perf_counter()
     sampler.start()
     try:
-        result = yatt_ray.fit(cfg)
+        with single_controller() if mode == "single" else contextlib.nullcontext():
+            result = yatt_ray.fit(cfg)
     finally:
         sampler.stop()
     run = Run(

@@ -35,8 +35,7 @@ DynamicSampling = Literal[
 BalanceMode = Literal["off", "tokens", "flops"]  # data-parallel load balancing of the train phase
 DemoTask = Literal["arithmetic", "longtail", "vision"]
 BadImagePolicy = Literal["skip", "raise"]  # a corrupt image or missing path: count and skip the row, or stop
-TrainVision = Literal["none", "projector", "all"]
-DataLoader = Literal["ray_data", "driver"]  # which parts of a vision-language policy's encoder train
+TrainVision = Literal["none", "projector", "all"]  # which parts of a vision-language policy's encoder train
 
 
 class _Section:
@@ -71,20 +70,25 @@ class DataConfig(_Section):
     # greedy accuracy at the start and the end; None: the demo's eval set in the demo, none with your own
     # data; [] = no evaluation
     eval_files: list[str] | None = None
+    # the columns read as each row's prompt (a string or a list of chat messages), answer, source and id; a
+    # dotted key names a field of a struct column (parquet) or a nested object (jsonl), a column whose own
+    # name is the whole key winning. A verl-format parquet (verl's GSM8K / MATH preprocessing: prompt,
+    # data_source, reward_model {ground_truth}, extra_info {index}) is used as it is with
+    #   data.answer_key=reward_model.ground_truth data.id_key=extra_info.index reward.function=math
     prompt_key: str = "prompt"
     answer_key: str = "ground_truth"
     source_key: str = "data_source"
     id_key: str = "id"
+    # a system message for every prompt ("" = none): a chat prompt without a system message gets it first; a
+    # string prompt becomes [system, user] rendered by the tokenizer's chat template (no template: the two
+    # joined by a newline)
+    system_prompt: str = ""
     max_prompt_tokens: int = 64
     shuffle_seed: int | None = 0
     # images (vision-language policies): a column holding, per row, a list of {"bytes": ...} or {"path": ...}
     # entries (verl's layout); the prompt holds one <image> placeholder per image
     image_key: str = "images"
     on_bad_image: BadImagePolicy = "skip"  # skip: counted (data/bad_images), warned, consumed; raise: stop
-    # ray_data: Ray Data tasks read (and decode) the rows, streamed to each controller; driver: the baseline of
-    # single-controller frameworks, for comparison only (release/bench_controllers.py): the driver reads,
-    # decodes and processes every row itself and hands them to Ray as driver-owned blocks
-    loader: DataLoader = "ray_data"
 
 
 @dataclass

@@ -117,7 +117,9 @@ class GroupController:
             self.eval_shard = roles.eval_shard
             self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
             images = ImageLayout.from_model_dir(config.model.path)  # None for a text policy
-            self.prompts = PromptEncoder(tokenizer, config.data.max_prompt_tokens, images)
+            self.prompts = PromptEncoder(
+                tokenizer, config.data.max_prompt_tokens, images, system_prompt=config.data.system_prompt
+            )
             pad = self.tokenizer.pad_token_id
             self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))  # masked out
 

@@ -1,7 +1,8 @@
 """Prompt rows -> what the rollout engine and the trainer read: the prompt's text, its token ids, its images.
 
 A row's prompt is a string, or a list of chat messages rendered by the tokenizer's chat template with the
-generation prompt (`yatt_ray.data.images.prompt_text`). For a vision-language policy (`ImageLayout` from its
+generation prompt (`yatt_ray.data.images.prompt_text`); `system_prompt` (data.system_prompt) leads a chat
+without a system message, and turns a string prompt into [system, user] messages rendered the same way. For a vision-language policy (`ImageLayout` from its
 config.json) each `<image>` placeholder becomes `tokens_per_image` copies of the image token, as the model's
 processor does, so the rollout engine and the trainer see the same token positions; the row's pixels
 (`images.PIXELS`, [I, 3, H, W] from the Ray Data task) travel beside the ids.
@@ -67,13 +68,18 @@ class Encoded:
 
 class PromptEncoder:
     """`encode(row)` for a row of the prompt stream (column -> value; `id`, `prompt`, and for a vision policy
-    `images.PIXELS`)."""
+    `images.PIXELS`); `system_prompt`: data.system_prompt ("" = none, see `prompt_text`)."""
 
-    def __init__(self, tokenizer: Any, max_tokens: int, layout: ImageLayout | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, max_tokens: int, layout: ImageLayout | None = None, system_prompt: str = ""
+    ) -> None:
         self.tokenizer, self.max_tokens, self.layout = tokenizer, max_tokens, layout
+        self.system_prompt = system_prompt
 
     def encode(self, row: dict) -> Encoded:
-        text = prompt_text(row["prompt"], self.tokenizer, row_id=row.get("id"))
+        text = prompt_text(
+            row["prompt"], self.tokenizer, row_id=row.get("id"), system_prompt=self.system_prompt
+        )
         ids = list(self.tokenizer(text)["input_ids"])
         pixels = None
         if self.layout is not None:

@@ -197,7 +197,7 @@ def chat_messages(prompt: Any, row_id: Any = None) -> list[dict[str, str]]:
     return messages
 
 
-def prompt_text(prompt: Any, tokenizer: Any = None, row_id: Any = None) -> str:
+def prompt_text(prompt: Any, tokenizer: Any = None, row_id: Any = None, system_prompt: str = "") -> str:
     """The text the policy sees for `prompt`.
 
     A string stays as it is. A chat list goes through `tokenizer.apply_chat_template(messages,
@@ -205,13 +205,29 @@ def prompt_text(prompt: Any, tokenizer: Any = None, row_id: Any = None) -> str:
     or one without a template, like the tiny character-level one) the messages' contents are joined by "\\n",
     roles dropped, so a one-message chat gives exactly the text of its string form ("<image>Sum:"). DataError
     (see `chat_messages`) for a malformed list.
+
+    `system_prompt` (data.system_prompt; "" = none): a chat list without a system message gets
+    {"role": "system", "content": system_prompt} in front (one that has a system message keeps its own); a
+    string becomes the chat [system, {"role": "user", "content": prompt}] and is rendered as a chat list
+    (template, or the contents joined: "<system>\\n<prompt>").
     """
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and not system_prompt:
         return prompt
-    messages = chat_messages(prompt, row_id)
+    messages = with_system_prompt(prompt, system_prompt, row_id)
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
     return "\n".join(m["content"] for m in messages)
+
+
+def with_system_prompt(prompt: Any, system_prompt: str = "", row_id: Any = None) -> list[dict[str, str]]:
+    """`prompt` (a string, or a chat list as `chat_messages` takes it) as chat messages, led by the system
+    message `system_prompt` unless it is "" or the chat already has a system message (anywhere in it)."""
+    messages = (
+        [{"role": "user", "content": prompt}] if isinstance(prompt, str) else chat_messages(prompt, row_id)
+    )
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
 
 
 # ---- batches -------------------------------------------------------------------------------------------

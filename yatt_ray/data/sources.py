@@ -10,13 +10,22 @@ Images (a vision-language policy): with `images=True` the image column (`data.im
 file (parquet: its footer; the driver reads no image), and `build_dataset` decodes each row's images and runs
 the image processor in Ray Data tasks (`yatt_ray.data.images`), after the shuffle. A text policy given files
 with that column is stopped before any work (its `<image>` placeholders would be trained as text).
+
+Nested fields. Every key setting (data.prompt_key, answer_key, source_key, id_key, image_key) may name a field
+inside a struct column (parquet) or a nested object (jsonl) by a dotted path, as verl's files hold them:
+`reward_model.ground_truth`, `extra_info.index`. A top-level column whose own name is the whole key wins (a
+column named "a.b" is read as it is); otherwise the longest dotted prefix that is a column is taken and the
+rest of the key is looked up inside it (`key_path`). Parquet files are checked from their footer schema (the
+struct's fields); the Ray Data tasks pick the field out of the struct column's values (numpy batches hold a
+struct column as an object array of dicts). A row whose struct is null reads as missing (id -1, source
+"default", prompt / answer None).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -27,6 +36,9 @@ from yatt_ray.errors import DataError
 log = logging.getLogger(__name__)
 
 PROMPT_COLUMNS = ("id", "prompt", "ground_truth", "data_source")
+# the keys that read a verl-format parquet (GSM8K / MATH from verl's preprocessing scripts) as it is; its
+# `prompt` (a chat list) and `data_source` columns match the defaults
+VERL_KEYS = {"answer_key": "reward_model.ground_truth", "id_key": "extra_info.index"}
 _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 _MISSING = object()  # an id column that a file (or a jsonl line) lacks
 
@@ -70,22 +82,112 @@ def check_sources(
 
 def first_row(data: DataConfig, files: list[str]) -> tuple[str, str, str]:
     """(prompt, ground_truth, data_source) of the first row of `files[0]`, read alone (parquet: one row of the
-    first row group; jsonl: the first non-blank line), as `build_dataset` would give them."""
+    first row group; jsonl: the first non-blank line), as `build_dataset` would give them (dotted keys read
+    nested fields)."""
     url = files[0]
+    keys = [data.prompt_key, data.answer_key, data.source_key]
     if _format(url) == "parquet":
         import pyarrow.parquet as pq
 
         with fsspec.open(url, "rb") as f:
             pf = pq.ParquetFile(f)
-            wanted = [data.prompt_key, data.answer_key, data.source_key]
-            columns = [c for c in wanted if c in pf.schema_arrow.names]
+            shape = _schema_shape(pf.schema_arrow)
+            paths = [key_path(key, shape) for key in keys]
+            columns = sorted({path[0] for path in paths if path})
             row = next((b.to_pylist()[0] for b in pf.iter_batches(batch_size=1, columns=columns)), None)
     else:
         with fsspec.open(url, "r") as f:
             row = next((obj for _, obj in _jsonl_rows(f, url)), None)
     if row is None:
         raise DataError(f"data file {url!r} holds no rows; remove it from the data file lists or fill it")
-    return str(row[data.prompt_key]), str(row[data.answer_key]), str(row.get(data.source_key, "default"))
+    prompt, answer, source = (lookup(row, key) for key in keys)
+    return str(prompt), str(answer), str("default" if source is _MISSING or source is None else source)
+
+
+# ---- dotted keys ---------------------------------------------------------------------------------------
+def key_path(key: str, shape: Any) -> list[str] | None:
+    """The field names that `key` walks through `shape` (a row dict, or `_schema_shape` of a file), or None.
+
+    A name that is the whole key wins; otherwise, longest first, a dotted prefix that names a nested mapping
+    and a rest that resolves inside it: "reward_model.ground_truth" -> ["reward_model", "ground_truth"].
+    """
+    if not isinstance(shape, Mapping):
+        return None
+    if key in shape:
+        return [key]
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:cut])
+        if isinstance(shape.get(head), Mapping):
+            rest = key_path(".".join(parts[cut:]), shape[head])
+            if rest is not None:
+                return [head, *rest]
+    return None
+
+
+def lookup(row: Any, key: str, default: Any = _MISSING) -> Any:
+    """`row`'s value at the dotted `key` (see `key_path`), or `default` when it has none."""
+    path = key_path(key, row)
+    if path is None:
+        return default
+    for name in path:
+        row = row[name]
+    return row
+
+
+def nested_names(shape: Mapping) -> list[str]:
+    """Every dotted key inside the nested mappings of `shape` (top-level names excluded), for messages."""
+    return [name for top, sub in shape.items() if isinstance(sub, Mapping) for name in _flat(sub, f"{top}.")]
+
+
+def _flat(shape: Mapping, prefix: str) -> list[str]:
+    names: list[str] = []
+    for name, sub in shape.items():
+        names.append(prefix + name)
+        if isinstance(sub, Mapping):
+            names += _flat(sub, f"{prefix}{name}.")
+    return names
+
+
+def _schema_shape(schema: Any) -> dict[str, Any]:
+    """A pyarrow schema as nested dicts: a struct column -> {field: ...}, any other column -> its type."""
+    import pyarrow as pa
+
+    def shape(arrow_type: Any) -> Any:
+        if pa.types.is_struct(arrow_type):
+            return {f.name: shape(f.type) for f in arrow_type}
+        return arrow_type
+
+    return {f.name: shape(f.type) for f in schema}
+
+
+def _batch_column(batch: Mapping[str, Any], key: str, default: Any, n: int) -> Any:
+    """The values of the dotted `key` in a numpy batch: the column itself, or the field picked out of each
+    row's dict of a struct column (`default` where a row's struct or field is null, or lacks the field);
+    `[default] * n` when no column matches."""
+    if key in batch:
+        return batch[key]
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:cut])
+        if head in batch:
+            rest = ".".join(parts[cut:])
+            values = (lookup(cell, rest, None) for cell in batch[head])
+            return _as_array([default if v is None else v for v in values])
+    return [default] * n
+
+
+def _as_array(values: list) -> Any:
+    """A 1-d numpy array of `values`: typed when they are all scalars, else an object array holding them as
+    they are (numpy would stack a list of equal-length lists into 2-d)."""
+    import numpy as np
+
+    if all(isinstance(v, str | int | float | bool | np.generic) for v in values):
+        return np.asarray(values)
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
 
 
 def _format(path: str) -> str:
@@ -154,20 +256,24 @@ def _check_file(url: str, data: DataConfig, ids: _IdTally, images: bool = False)
     return rows
 
 
-def _need_columns(url: str, columns: set, data: DataConfig, where: str = "", images: bool = False) -> None:
+def _need_columns(url: str, shape: Mapping, data: DataConfig, where: str = "", images: bool = False) -> None:
+    """DataError unless `shape` (a file's schema as `_schema_shape` gives it, or a jsonl row) holds the prompt
+    and answer keys (dotted keys: nested fields), and the image key exactly when `images`."""
     for key_name, column in (("data.prompt_key", data.prompt_key), ("data.answer_key", data.answer_key)):
-        if column not in columns:
+        if key_path(column, shape) is None:
             raise DataError(
                 f"data file {url!r}{where} has no column {column!r} ({key_name}); its columns are "
-                f"{sorted(columns)}. Set {key_name}=<column> to the right one."
+                f"{_described(shape)}. Set {key_name}=<column> to the right one (a dotted key such as "
+                f"reward_model.ground_truth names a field of a struct column).{_verl_hint(shape, data)}"
             )
-    if images and data.image_key not in columns:
+    has_images = bool(data.image_key) and key_path(data.image_key, shape) is not None
+    if images and not has_images:
         raise DataError(
             f"data file {url!r}{where} has no image column {data.image_key!r} (data.image_key) but the policy "
-            f"(model.path) is a vision-language model; its columns are {sorted(columns)}. Set "
+            f"(model.path) is a vision-language model; its columns are {_described(shape)}. Set "
             "data.image_key=<column> to the column holding each row's images, or train a text model."
         )
-    if not images and data.image_key and data.image_key in columns:
+    if not images and has_images:
         raise DataError(
             f"data file {url!r}{where} has an image column {data.image_key!r} (data.image_key) but the policy "
             "(model.path) is a text-only model, which would read the prompts' <image> placeholders as text. "
@@ -175,7 +281,23 @@ def _need_columns(url: str, columns: set, data: DataConfig, where: str = "", ima
         )
 
 
+def _described(shape: Mapping) -> str:
+    """ "['a', 'b']", plus " and the nested fields ['b.c', ...]" when a column is a struct (object)."""
+    nested = nested_names(shape)
+    return f"{sorted(shape)}" + (f" and the nested fields {sorted(nested)}" if nested else "")
+
+
+def _verl_hint(shape: Mapping, data: DataConfig) -> str:
+    """A pointer to the verl keys when the file has verl's layout (reward_model.ground_truth)."""
+    if key_path(VERL_KEYS["answer_key"], shape) is None or data.answer_key == VERL_KEYS["answer_key"]:
+        return ""
+    return (
+        " This file has verl's layout: use " + " ".join(f"data.{k}={v}" for k, v in VERL_KEYS.items()) + "."
+    )
+
+
 def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally, images: bool = False) -> int:
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     with fs.open(path, "rb") as f:
@@ -186,11 +308,15 @@ def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally, ima
                 f"data file {url!r} is not a readable parquet file ({type(exc).__name__}: {exc}); rewrite it, "
                 "or fix its extension"
             ) from exc
-        columns = set(metadata.schema.to_arrow_schema().names)
-        _need_columns(url, columns, data, images=images)
-        if metadata.num_rows and data.id_key in columns:
+        shape = _schema_shape(metadata.schema.to_arrow_schema())
+        _need_columns(url, shape, data, images=images)
+        id_path = key_path(data.id_key, shape)
+        if metadata.num_rows and id_path is not None:
             f.seek(0)
-            for value in pq.read_table(f, columns=[data.id_key]).column(0).to_pylist():
+            column = pq.read_table(f, columns=[id_path[0]]).column(0)
+            if len(id_path) > 1:  # a field of a struct column (a null struct gives a null id)
+                column = pc.struct_field(column.combine_chunks(), id_path[1:])
+            for value in column.to_pylist():
                 ids.add(value)
         elif metadata.num_rows:
             ids.missing.append(url)
@@ -202,18 +328,18 @@ def _check_jsonl(fs, path: str, url: str, data: DataConfig, ids: _IdTally, image
     with fs.open(path, "r") as f:
         for number, obj in _jsonl_rows(f, url):
             if rows == 0:
-                _need_columns(url, set(obj), data, where=f" (line {number})", images=images)
+                _need_columns(url, obj, data, where=f" (line {number})", images=images)
             else:
                 for key_name, column in (
                     ("data.prompt_key", data.prompt_key),
                     ("data.answer_key", data.answer_key),
                 ):
-                    if column not in obj:
+                    if key_path(column, obj) is None:
                         raise DataError(
                             f"data file {url!r} line {number} has no key {column!r} ({key_name}); its keys are "
-                            f"{sorted(obj)}. Every line needs the prompt and answer keys: fix or remove that line"
+                            f"{_described(obj)}. Every line needs the prompt and answer keys: fix or remove that line"
                         )
-            value = obj.get(data.id_key, _MISSING)
+            value = lookup(obj, data.id_key)
             if value is _MISSING:
                 missing = True
             else:
@@ -258,50 +384,31 @@ def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
     from yatt_ray.data.images import decode_images_batch
 
     reader = ray.data.read_parquet if _format(files[0]) == "parquet" else ray.data.read_json
+    ds = reader(files).map_batches(canonical_columns(data, images=pixels is not None), batch_format="numpy")
+    if data.shuffle_seed is not None:
+        ds = ds.random_shuffle(seed=data.shuffle_seed)
+    if pixels is not None:
+        options = {"image_column": "images", "processor_fn": pixels, "on_bad_image": data.on_bad_image}
+        ds = ds.map_batches(decode_images_batch, batch_format="numpy", fn_kwargs=options)
+    return ds
+
+
+def canonical_columns(data: DataConfig, images: bool = False):
+    """The batch function (column -> values, for `Dataset.map_batches`) that maps the configured columns (dotted
+    keys into struct columns included) to PROMPT_COLUMNS, and with `images` the image column to "images"."""
     keys = {
         "id": data.id_key,
         "prompt": data.prompt_key,
         "ground_truth": data.answer_key,
         "data_source": data.source_key,
-        **({"images": data.image_key} if pixels is not None else {}),
+        **({"images": data.image_key} if images else {}),
     }
     defaults = {"id": -1, "data_source": "default"}
 
     def to_canonical(batch: dict) -> dict:
-        n = len(batch[data.prompt_key])
-        out = {name: batch[col] if col in batch else [defaults[name]] * n for name, col in keys.items()}
+        n = len(next(iter(batch.values()))) if batch else 0
+        out = {name: _batch_column(batch, col, defaults.get(name), n) for name, col in keys.items()}
         out["ground_truth"] = [str(v) for v in out["ground_truth"]]
         return out
 
-    options = {"image_column": "images", "processor_fn": pixels, "on_bad_image": data.on_bad_image}
-    if data.loader == "driver":  # the single-controller baseline: every row through the driver's memory
-        batch = to_canonical(_read_all(files))
-        if pixels is not None:
-            batch = decode_images_batch(batch, **options)
-        rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["prompt"]))]
-        ds: ray.data.Dataset = ray.data.from_items(rows)
-    else:
-        ds = reader(files).map_batches(to_canonical, batch_format="numpy")
-    if data.shuffle_seed is not None:
-        ds = ds.random_shuffle(seed=data.shuffle_seed)
-    if pixels is not None and data.loader != "driver":
-        ds = ds.map_batches(decode_images_batch, batch_format="numpy", fn_kwargs=options)
-    return ds
-
-
-def _read_all(files: list[str]) -> dict:
-    """Every row of `files` in this process, as one numpy-style batch (column -> list of values)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if _format(files[0]) == "parquet":
-        tables = []
-        for url in files:
-            with fsspec.open(url, "rb") as f:
-                tables.append(pq.read_table(f))
-        return pa.concat_tables(tables).to_pydict()
-    rows = []
-    for url in files:
-        with fsspec.open(url, "r") as f:
-            rows += [obj for _, obj in _jsonl_rows(f, url)]
-    return {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
+    return to_canonical
