@@ -314,8 +314,8 @@ def plot(runs: list[Run], path: Path) -> Path:
     FigureCanvasAgg(fig)
     growth, workers = fig.subplots(1, 2)
     for mode, label in (
-        ("parallel", "parallel controllers (ray_data)"),
-        ("single", "single controller (driver)"),
+        ("parallel", "parallel controllers (Ray Data reads)"),
+        ("single", "single controller (the driver reads)"),
     ):
         mine = sorted((r for r in runs if r.mode == mode), key=lambda r: r.point.size)
         x = [r.point.bytes_per_step / 1e6 for r in mine]

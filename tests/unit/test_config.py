@@ -1,5 +1,7 @@
 """Config loading, overrides and validation errors (no cluster)."""
 
+from pathlib import Path
+
 import pytest
 
 from yatt_ray import ConfigError, load_config
@@ -206,3 +208,15 @@ def test_long_tail_keys_validate_and_a_bare_off_reads_as_off():
     assert "train.balance='fast' is unknown; valid: flops, off, tokens" in message
     with pytest.raises(ConfigError, match="rollout.n >= 2 or algo.dynamic_sampling=off"):
         load_config(None, ["algo.dynamic_sampling=reward", "rollout.n=1", "algo.name=reinforce_pp"])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in Path("examples/configs").glob("*.yaml")))
+def test_every_example_config_loads_and_validates(name):
+    cfg = load_config(Path("examples/configs") / name)
+    assert cfg.train.steps >= 1 and cfg.rollout.n >= 1
+
+
+def test_the_gsm8k_recipe_reads_verl_files_as_they_are():
+    cfg = load_config("examples/configs/grpo_qwen_gsm8k.yaml")
+    assert (cfg.data.answer_key, cfg.data.id_key, cfg.reward.function) == (
+        "reward_model.ground_truth", "extra_info.index", "math")  # fmt: skip

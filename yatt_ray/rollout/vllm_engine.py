@@ -496,9 +496,27 @@ def _finish_weight_sync(worker: Any) -> None:
             finalize_layerwise_reload(runner.get_model(), worker.model_config)
     finally:
         quiet.setLevel(level)
+    _retie_embeddings(runner.get_model())
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         if hasattr(runner, reset):
             getattr(runner, reset)()
+
+
+def _retie_embeddings(model: Any) -> None:
+    """Tied embeddings: the output layer shares the input embedding's weight but gets no weights of its own in
+    a sync (vLLM skips `lm_head.*` of tied models), so the layerwise reload never processes it again. On the
+    CPU that processing made its packed GEMM copy (`cpu_linear`), which would keep the old weights: point the
+    layer at the embedding's weight again and redo its post-load processing."""
+    config = getattr(model, "config", None)
+    head, body = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(body, "embed_tokens", None)
+    if not (getattr(config, "tie_word_embeddings", False) and head is not None and embed is not None):
+        return
+    if head is not embed:
+        head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 def _packed_modules_mapping(worker: Any) -> dict[str, list[str]]:

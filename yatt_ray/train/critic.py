@@ -55,6 +55,7 @@ ValueLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 HEAD_WEIGHT, HEAD_BIAS = "score.weight", "score.bias"  # HF LlamaForTokenClassification names
 _MG_HEAD_WEIGHT, _MG_HEAD_BIAS = "output_layer.weight", "output_layer.bias"
+TOKEN_CLASSIFIERS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 CRITIC_CONFIG = {
     "architectures": ["LlamaForTokenClassification"],
     "id2label": {"0": "LABEL_0"},
@@ -230,4 +231,7 @@ class MegatronCritic(MegatronTrainerBase):
         sd = self.hf_state_dict()
         if sd is None or not self._is_writer():
             return None
-        return write_hf_dir(self.model_dir, out_dir, sd, config_update=CRITIC_CONFIG)
+        architecture = f"{TOKEN_CLASSIFIERS[self.shape.family]}ForTokenClassification"  # the policy's family
+        return write_hf_dir(
+            self.model_dir, out_dir, sd, config_update={**CRITIC_CONFIG, "architectures": [architecture]}
+        )

@@ -1,4 +1,5 @@
-"""Build a Llama-style Megatron-core `GPTModel` and load Hugging Face weights into it.
+"""Build a Llama-family Megatron-core `GPTModel` (Llama, Mistral, Qwen2, Qwen3; see `hf_convert`) and load
+Hugging Face weights into it.
 
 Order of use inside a training worker (Ray Train or torchrun has already created the default
 torch.distributed process group: gloo on CPU, nccl on GPU):
@@ -20,7 +21,13 @@ import torch.nn.functional as F
 
 from yatt_ray.errors import ConfigError
 from yatt_ray.train.cpu_shims import apply_cpu_shims
-from yatt_ray.train.hf_convert import LlamaShape, StateDict, check_tp_size, hf_to_megatron
+from yatt_ray.train.hf_convert import (
+    LlamaShape,
+    StateDict,
+    check_tp_size,
+    hf_to_megatron,
+    rope_inv_freq,
+)
 
 
 def init_parallel_state(tp_size: int, timeout_minutes: float = 30.0) -> None:
@@ -66,7 +73,8 @@ def seed_everything(seed: int) -> None:
 
 
 def transformer_config(shape: LlamaShape, tp_size: int):
-    """A Megatron `TransformerConfig` for a Llama decoder (fp32, no dropout, no fusions, no bias).
+    """A Megatron `TransformerConfig` for a Llama-family decoder (fp32, no dropout, no fusions; biases only on
+    q/k/v for Qwen2 (`shape.qkv_bias`), RMSNorm on each head's queries and keys for Qwen3 (`shape.qk_norm`)).
 
     `calculate_per_token_loss=True` makes Megatron DDP SUM gradients over data-parallel ranks (no 1/dp
     pre-scaling): the library's losses are already divided by the global normaliser.
@@ -86,7 +94,8 @@ def transformer_config(shape: LlamaShape, tp_size: int):
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,  # the norm module itself comes from the layer spec (build_gpt_model)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         rotary_interleaved=False,
@@ -117,6 +126,14 @@ def transformer_config(shape: LlamaShape, tp_size: int):
 def build_gpt_model(shape: LlamaShape):
     """An uninitialised Megatron `GPTModel` (local spec, RMSNorm, SwiGLU, RoPE) for this rank's TP shard.
 
+    With `shape.qk_norm` the local spec's q/k_layernorm is its RMSNorm (torch.nn.RMSNorm over head_dim, eps
+    rms_norm_eps), applied per head before RoPE, as Qwen3 does. RoPE's inverse frequencies are set from
+    `rope_inv_freq(shape)` after the build: Megatron's multimodal RoPE ("mrope", used here for RoPE at given
+    positions) has no rope-scaling option (only `RotaryEmbedding` has llama3 scaling, and with fixed
+    low/high-frequency factors and context length), but it reads its `inv_freq` attribute (a plain tensor,
+    not a parameter or buffer, so not in the state dict) at every forward, so replacing it gives Llama 3.x's
+    scaled RoPE exactly as transformers computes it (for plain RoPE the values are Megatron's own).
+
     On a GPU build it is moved to the current CUDA device. Forward: `forward_packed`, or (input_ids [B,T],
     position_ids [3,B,T] (`rope_positions`), attention_mask [B,1,T,T] bool True=masked) -> logits
     [B, T, V/tp] (vocab-parallel, not gathered).
@@ -129,7 +146,9 @@ def build_gpt_model(shape: LlamaShape):
     config = transformer_config(shape, ps.get_tensor_model_parallel_world_size())
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),  # default is LayerNorm
+        transformer_layer_spec=get_gpt_layer_local_spec(  # default normalization is LayerNorm
+            normalization="RMSNorm", qk_layernorm=shape.qk_norm
+        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_positions,
         parallel_output=True,
@@ -140,7 +159,22 @@ def build_gpt_model(shape: LlamaShape):
     )
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
+    rope = model.rotary_pos_emb
+    rope.inv_freq = rope_inv_freq(shape).to(rope.inv_freq.device)
     return model
+
+
+def tp_partial_grad_parameters(model) -> list[torch.nn.Parameter]:
+    """Parameters replicated over the TP ranks whose gradient each rank computes from its own heads only:
+    Qwen3's per-head `q_layernorm` / `k_layernorm` weights (empty for the other families). With tp > 1 their
+    gradients must be summed over the TP group after the data-parallel sync, or the ranks' copies drift apart
+    (Megatron's `finalize_model_grads` does this; `MegatronDDP.finish_grad_sync` alone does not)."""
+    return [
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad
+        and ("self_attention.q_layernorm." in name or "self_attention.k_layernorm." in name)
+    ]
 
 
 def rope_positions(position_ids: torch.Tensor) -> torch.Tensor:

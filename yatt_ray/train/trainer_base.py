@@ -32,7 +32,7 @@ import torch.distributed as dist
 from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.train.hf_convert import LlamaShape, StateDict
 from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
-from yatt_ray.train.model import init_parallel_state, seed_everything
+from yatt_ray.train.model import init_parallel_state, seed_everything, tp_partial_grad_parameters
 
 MicroLoss = Callable[[dict], tuple[torch.Tensor, dict]]
 RowForward = Callable[..., Sequence[torch.Tensor]]  # (ids [b, T], mask [b, T], **extra rows) -> [b, ...] each
@@ -188,6 +188,9 @@ class MegatronTrainerBase:
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             p.grad = p.main_grad
+        if dist.get_world_size(self.tp_group) > 1:  # per-head norms (Qwen3): each TP rank saw its heads only
+            for p in tp_partial_grad_parameters(self.model):
+                dist.all_reduce(p.grad, group=self.tp_group)
         side = self._side_params()
         for p in side:  # summed over data-parallel ranks like the model's (the loss is globally normalised)
             if p.grad is None:
