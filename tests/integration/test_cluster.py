@@ -136,7 +136,7 @@ PLACEMENT = """
         (out_dir / f"rank{ctx.get_world_rank()}").write_text(node)
 
     yatt_ray.controller.train_loop_per_worker = probe  # _trainer imports it at call time
-    yatt_ray.data.build_dataset = lambda data, files: None  # no prompts needed to check placement
+    yatt_ray.data.build_dataset = lambda data, files, pixels=None: None  # no prompts needed for placement
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=2)

@@ -24,15 +24,7 @@ from typing import Any
 
 import torch
 
-from yatt_ray.models.tiny import (
-    BOS_ID,
-    CHARACTERS,
-    EOS_ID,
-    PAD_ID,
-    SPECIAL_TOKENS,
-    TinyModelSpec,
-    build_tokenizer,
-)
+from yatt_ray.models.tiny import TinyModelSpec, build_tokenizer, decoder_config
 
 FAMILY_NAMES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 TIED_BY_DEFAULT = {"qwen2"}
@@ -55,27 +47,11 @@ def family_config(family: str, spec: TinyModelSpec | None = None, tie_word_embed
     spec = spec or TinyModelSpec()
     if family not in FAMILY_NAMES:
         raise ValueError(f"unknown family {family!r}; choose one of {list(FAMILY_NAMES)}")
-    needed = len(SPECIAL_TOKENS) + len(CHARACTERS)
-    if spec.vocab_size < needed:
-        raise ValueError(
-            f"TinyModelSpec.vocab_size={spec.vocab_size} is below the {needed} tokens of the tokenizer"
-        )
     if tie_word_embeddings is None:
         tie_word_embeddings = spec.tie_word_embeddings or family in TIED_BY_DEFAULT
     common: dict[str, Any] = dict(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_positions,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        decoder_config(spec),
         tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
         dtype="float32",
         # std 0.1, not transformers' 0.02: with tied embeddings and std 0.02 the residual stream is mostly
         # the input embedding and greedy decoding just repeats the last token, which tells no models apart

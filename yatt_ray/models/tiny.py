@@ -10,6 +10,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,17 +58,16 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write a randomly initialised tiny `LlamaForCausalLM` and its tokenizer to `out_dir`; return the path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = spec or TinyModelSpec()
-    needed = len(SPECIAL_TOKENS) + len(CHARACTERS)
+def decoder_config(spec: TinyModelSpec, extra_tokens: int = 0) -> dict[str, Any]:
+    """The config keys every tiny decoder shares (the Llama here, the other families' in `families`, the
+    LLaVA language model in `tiny_vlm`): sizes, RMSNorm eps, plain RoPE, tying, the special token ids.
+    ValueError when `spec.vocab_size` is below the tokenizer's ids (+ `extra_tokens` added to it)."""
+    needed = len(SPECIAL_TOKENS) + len(CHARACTERS) + extra_tokens
     if spec.vocab_size < needed:
         raise ValueError(
             f"TinyModelSpec.vocab_size={spec.vocab_size} is below the {needed} tokens of the tokenizer"
         )
-    config = LlamaConfig(
+    return dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -81,10 +81,15 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        attention_bias=False,
-        mlp_bias=False,
-        dtype="float32",
     )
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write a randomly initialised tiny `LlamaForCausalLM` and its tokenizer to `out_dir`; return the path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = spec or TinyModelSpec()
+    config = LlamaConfig(**decoder_config(spec), attention_bias=False, mlp_bias=False, dtype="float32")
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
     out = Path(out_dir)

@@ -33,15 +33,7 @@ from typing import Literal
 
 import torch
 
-from yatt_ray.models.tiny import (
-    BOS_ID,
-    CHARACTERS,
-    EOS_ID,
-    PAD_ID,
-    SPECIAL_TOKENS,
-    TinyModelSpec,
-    build_tokenizer,
-)
+from yatt_ray.models.tiny import CHARACTERS, SPECIAL_TOKENS, TinyModelSpec, build_tokenizer, decoder_config
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = len(SPECIAL_TOKENS) + len(CHARACTERS)  # 99: the first id after the character tokenizer's
@@ -131,23 +123,7 @@ def llava_config(spec: TinyVLMSpec | None = None):
     spec = spec or TinyVLMSpec()
     _check_spec(spec)
     t = spec.text
-    text = LlamaConfig(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_layers,
-        num_attention_heads=t.num_heads,
-        num_key_value_heads=t.num_kv_heads,
-        max_position_embeddings=t.max_positions,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=t.tie_word_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        attention_bias=False,
-        mlp_bias=False,
-    )
+    text = LlamaConfig(**decoder_config(t, extra_tokens=1), attention_bias=False, mlp_bias=False)
     vision = CLIPVisionConfig(
         hidden_size=spec.vision_hidden_size,
         intermediate_size=spec.vision_intermediate_size,
