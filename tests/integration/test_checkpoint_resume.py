@@ -166,10 +166,13 @@ def test_full_disk_during_a_save_keeps_training(ray_cluster, demo_cache, tmp_pat
     root = tmp_path / "ckpt"
     ckpt = f"faulty://{root}"
     when(lambda: bool(committed_steps(ckpt)), lambda: (root / "ranks" / FAIL_WRITES).write_text(""))
-    result = short_run(ckpt, tmp_path, 4)
-    assert train_steps(result) == [1, 2, 3, 4]
+    # 8 steps, saves every 2: the disk fills after the first commit, however late the 0.2 s poll sees it
+    # (with 4 steps a loaded machine could finish the last save before the drill struck)
+    result = short_run(ckpt, tmp_path, 8)
+    assert train_steps(result) == list(range(1, 9))
     assert max(result.metric("checkpoint/failures")) > 0  # reported
-    assert CheckpointStore(ckpt).latest_valid().step == 2  # the checkpoint before the failure is intact
+    latest = CheckpointStore(ckpt).latest_valid()
+    assert latest is not None and latest.step in (2, 4, 6)  # the checkpoint before the failure is intact
 
 
 def test_checkpoints_on_s3_commit_export_and_resume(ray_cluster, demo_cache, tmp_path, s3_options):
