@@ -13,7 +13,6 @@ that would cut an image's tokens: that is a DataError naming the row and the len
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ import torch
 
 from yatt_ray.data.images import PIXELS, prompt_text
 from yatt_ray.errors import DataError
-from yatt_ray.train.vision import expand_image_tokens
+from yatt_ray.train.hf_convert import is_vision_model
+from yatt_ray.train.vision import expand_image_tokens, image_token_id, llava_config, tokens_per_image
 
 
 @dataclass(frozen=True)
@@ -35,24 +35,12 @@ class ImageLayout:
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ImageLayout | None:
-        """From `<path>/config.json`: None for a text model (or no config.json: the driver checked the model).
-        Tokens per image = (image_size / patch_size)^2 patches, + 1 (the class token) when
-        `vision_feature_select_strategy` is "full"."""
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
+        """From `<path>/config.json` (`train.vision`'s readers): None for a text model (or no config.json: the
+        driver checked the model)."""
+        if not is_vision_model(path):
             return None
-        cfg = json.loads(config_file.read_text())
-        vision = cfg.get("vision_config")
-        if vision is None:
-            return None
-        token = cfg.get("image_token_id", cfg.get("image_token_index"))
-        if token is None:
-            raise DataError(
-                f"{path}/config.json has a vision_config but no image_token_id (image_token_index)"
-            )
-        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
-        full = cfg.get("vision_feature_select_strategy", "default") == "full"
-        return cls(int(token), patches + int(full))
+        config = llava_config(path)
+        return cls(image_token_id(config), tokens_per_image(config))
 
 
 @dataclass(frozen=True)

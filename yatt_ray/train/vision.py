@@ -139,11 +139,7 @@ def llava_config(config: Any):
 def text_shape(config: Any) -> LlamaShape:
     """The `LlamaShape` of a LLaVA model's language model (its `text_config`, with transformers' defaults for
     the keys a checkpoint leaves out; `model_type` "llama" when the dict has none)."""
-    cfg = llava_config(config)
-    text = cfg.text_config.to_dict()
-    text.setdefault("model_type", "llama")
-    text["tie_word_embeddings"] = bool(cfg.tie_word_embeddings or text.get("tie_word_embeddings"))
-    return LlamaShape.from_hf_config(text, source="text_config of a LLaVA config")
+    return LlamaShape.from_hf_config(llava_config(config).to_dict(), source="a LLaVA config")
 
 
 def image_token_id(config: Any) -> int:
