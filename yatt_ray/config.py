@@ -36,6 +36,9 @@ BalanceMode = Literal["off", "tokens", "flops"]  # data-parallel load balancing 
 DemoTask = Literal["arithmetic", "longtail", "vision"]
 BadImagePolicy = Literal["skip", "raise"]  # a corrupt image or missing path: count and skip the row, or stop
 TrainVision = Literal["none", "projector", "all"]  # which parts of a vision-language policy's encoder train
+TrainDtype = Literal[
+    "fp32", "bf16"
+]  # the trainer's weights and compute (bf16: fp32 main weights in the optimizer)
 
 
 class _Section:
@@ -238,6 +241,12 @@ class TrainConfig(_Section):
     # after advantages, prompt groups move between data-parallel ranks (Karmarkar-Karp, equal counts) so each
     # rank's train cost is even: "tokens" (real tokens) or "flops" (forward+backward with the attention term)
     balance: BalanceMode = "tokens"
+    # weights and compute: fp32, or bf16 with fp32 gradients and fp32 main weights in the optimizer (Megatron's
+    # mixed precision); the rollout engine generates in the same dtype (`rollout_logp_diff` shows the mismatch)
+    dtype: TrainDtype = "fp32"
+    # ZeRO-1 (Megatron's distributed optimizer): the optimizer state (main weights, Adam moments) is sharded over
+    # the data-parallel ranks, gradients are reduce-scattered and the updated weights all-gathered
+    distributed_optimizer: bool = False
 
 
 @dataclass

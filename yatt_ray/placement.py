@@ -12,10 +12,19 @@ generative reward model (GenRM, a Ray Serve deployment) is placed by `placement.
   the deployment autoscales. The trainers keep their slice for rollout and training.
 
 Memory (checked when `placement.gpu_memory_gb` is set) is estimated per accelerator from the parameter
-counts, in bytes: trainer 18 P / tp (bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Adam moments 8;
-+ 2 P / tp for a reference model, + 18 P_critic / tp for a critic), rollout 2 P + KV cache, GenRM
-2 J / accelerators_per_replica + KV cache. Full coexistence needs the largest phase; partial needs
-max(trainer, rollout) on the trainer slice and the GenRM term on the GenRM slice.
+counts. Per TP-local parameter a trainer holds (`trainer_bytes_per_param`) weights w = 4 (train.dtype=fp32)
+or 2 (bf16), fp32 gradients 4 (Megatron's main_grad) and the optimizer state: Adam moments 8, plus fp32
+main weights 4 for bf16 only (fp32 weights are their own main copy), divided by d = train.dp_size under
+train.distributed_optimizer (ZeRO-1). In bytes per parameter:
+
+    dtype   replicated   distributed optimizer
+    fp32    16           8 + 8 / d
+    bf16    18           6 + 12 / d
+
+The trainer term is that x P / tp, + w P / tp for a reference model, + that x P_critic / tp for a critic;
+rollout w P + KV cache (the engine generates in train.dtype); GenRM 2 J / accelerators_per_replica +
+KV cache. Full coexistence needs the largest phase; partial needs max(trainer, rollout) on the trainer
+slice and the GenRM term on the GenRM slice.
 """
 
 from __future__ import annotations
@@ -217,12 +226,27 @@ def _genrm_slice(config: Config, use_gpu: bool, cpus: int) -> GenRMSlice:
     )
 
 
+def weight_bytes(dtype: str) -> int:
+    """Bytes of one weight in `train.dtype`."""
+    return 2 if dtype == "bf16" else 4
+
+
+def trainer_bytes_per_param(dtype: str, distributed_optimizer: bool, dp_size: int) -> float:
+    """Bytes per TP-local parameter of a trainer: weights, fp32 gradients and the optimizer state (Adam
+    moments, plus fp32 main weights for bf16), the latter sharded over `dp_size` ranks under ZeRO-1."""
+    optimizer = 8 + (4 if dtype == "bf16" else 0)  # Adam moments (+ fp32 main weights)
+    shards = dp_size if distributed_optimizer else 1
+    return weight_bytes(dtype) + 4 + optimizer / shards
+
+
 def memory_estimate_gb(plan: PlacementPlan, config: Config, sizes: ModelSizes) -> dict[str, float]:
     """Per-accelerator GiB of each role (see the module docstring for the byte counts)."""
-    tp = plan.tp_size
-    trainer = 18 * sizes.policy / tp + (2 * sizes.policy / tp if config.algo.kl_coef > 0 else 0)
-    trainer += 18 * sizes.critic / tp
-    rollout = 2 * sizes.policy + config.rollout.kv_cache_gb * GIB
+    t, tp = config.train, plan.tp_size
+    w = weight_bytes(t.dtype)
+    per_param = trainer_bytes_per_param(t.dtype, t.distributed_optimizer, plan.dp_size)
+    reference = w * sizes.policy if config.algo.kl_coef > 0 else 0
+    trainer = (per_param * (sizes.policy + sizes.critic) + reference) / tp
+    rollout = w * sizes.policy + config.rollout.kv_cache_gb * GIB
     out = {"trainer": trainer / GIB, "rollout": rollout / GIB}
     if plan.genrm is not None:
         g = config.reward.genrm
@@ -246,7 +270,7 @@ def _check_memory(plan: PlacementPlan, config: Config, sizes: ModelSizes, have_g
                 f"{plan.mode} coexistence needs about {gb:.1f} GiB per accelerator for {where} (estimates in "
                 f"GiB: {parts}) but placement.gpu_memory_gb={have_gb:g}. Raise train.tp_size or "
                 "reward.genrm.accelerators_per_replica, lower rollout.kv_cache_gb / reward.genrm.kv_cache_gb, "
-                "or use a larger accelerator."
+                "set train.distributed_optimizer=true or train.dtype=bf16, or use a larger accelerator."
             )
 
 

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from yatt_ray.config import Config
 from yatt_ray.metrics.hub import HubLink
 
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # train.dtype -> the rollout engine's dtype
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -79,6 +81,8 @@ def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
         "weight_decay": t.weight_decay,
         "grad_clip": t.grad_clip,
         "seed": t.seed,
+        "dtype": t.dtype,
+        "distributed_optimizer": t.distributed_optimizer,
     }
     policy = MegatronPolicy(
         config.model.path,
@@ -100,12 +104,13 @@ def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
 def _register_perf_model(config: Config, threads: int) -> None:
     """The model FLOPs and accelerator peak this worker's step metrics report MFU against (`perf/*`,
     `yatt_ray.metrics.flops`); on the CPU the peak is measured here once (~0.3 s of fp32 matmuls). The trainer
-    runs in float32."""
+    runs in `train.dtype`."""
     from yatt_ray.metrics.flops import register_perf_model, worker_perf_model
     from yatt_ray.train.hf_convert import LlamaShape
 
     shape = LlamaShape.from_hf_dir(config.model.path)
-    register_perf_model(worker_perf_model(shape, threads, config.cluster.peak_flops))
+    dtype = torch.bfloat16 if config.train.dtype == "bf16" else torch.float32
+    register_perf_model(worker_perf_model(shape, threads, config.cluster.peak_flops, dtype))
 
 
 def _add_controller_roles(roles: Roles, config: Config, dp_rank: int, eval_shards) -> None:
@@ -122,6 +127,7 @@ def _add_controller_roles(roles: Roles, config: Config, dp_rank: int, eval_shard
         config.rollout.engine,  # resolved to "vllm" or "hf" by the driver
         config.model.path,
         seed=config.train.seed + dp_rank,
+        dtype=ENGINE_DTYPES[config.train.dtype],  # the engine generates in the trainer's dtype
         kv_cache_gb=config.rollout.kv_cache_gb,
         max_model_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
     )

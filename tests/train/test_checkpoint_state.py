@@ -26,13 +26,15 @@ def test_restored_policy_takes_the_same_next_step(tiny_model_dir):
     trained = policy(tiny_model_dir)
     trained.train_step(batch, loss_fn, micro_batch_size=2)  # AdamW moments are non-zero from here on
     with AsyncCheckpointWriter(CheckpointStore(f"memory://state-{uuid.uuid4().hex}")) as writer:
-        handle = writer.save(1, {"policy": trainer_state(trained)})
+        handle = writer.save(
+            1, {"policy": trainer_state(trained), "policy_optimizer": trained.optimizer.state_dict()}
+        )
         assert handle.result(timeout=60) is not None
-        saved = writer.load(handle.ref)["policy"]
+        saved = writer.load(handle.ref)
     after_save = trained.train_step(batch, loss_fn, micro_batch_size=2)  # the original goes on
 
     resumed = policy(tiny_model_dir)  # a fresh process would build this from the HF directory
-    load_trainer_state(resumed, saved)
+    load_trainer_state(resumed, saved["policy"], [saved["policy_optimizer"]])
     after_resume = resumed.train_step(batch, loss_fn, micro_batch_size=2)
     assert after_resume["loss"] == after_save["loss"] and after_resume["grad_norm"] == after_save["grad_norm"]
     a, b = trained.hf_state_dict(), resumed.hf_state_dict()

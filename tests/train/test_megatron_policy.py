@@ -105,7 +105,8 @@ def test_offload_onload_keeps_training_identical(tiny_model_dir):
         cycled.offload()
         param = next(cycled.model.parameters())
         assert param.untyped_storage().size() == 0  # really released
-        assert all(s.untyped_storage().size() == 0 for s in cycled.optimizer.state[param].values())
+        moments = [t for state in cycled.optimizer.state.values() for t in state.values() if t.numel() > 1]
+        assert moments and all(t.untyped_storage().size() == 0 for t in moments)
         cycled.onload()
     a, b = plain.hf_state_dict(), cycled.hf_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -60,6 +60,8 @@ def test_cpu_peak_is_measured_and_an_override_wins():
         measured = worker_perf_model(SHAPE, threads=1, override=None)
         assert measured.peak_flops is not None and measured.peak_flops > 0
         assert measured.peak_source.startswith("measured: fp32 matmul (best of MKL, oneDNN), 1 thread")
+        bf16 = worker_perf_model(SHAPE, threads=1, override=None, dtype=torch.bfloat16)
+        assert bf16.peak_source.startswith("measured: bf16 matmul") and bf16.peak_flops > 0
 
 
 @pytest.mark.parametrize("lengths", [[1], [5, 2, 9]])

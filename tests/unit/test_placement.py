@@ -116,6 +116,7 @@ def test_memory_check_names_the_phase_and_the_fix():
     plan = plan_placement(cfg(*GENRM, "train.tp_size=8", "train.prompts_per_step=4", "placement.gpu_memory_gb=80"),
                           {"CPU": 64.0, "GPU": 16.0}, sizes)  # fmt: skip
     est = memory_estimate_gb(plan, config, sizes)
+    # fp32 (the default): trainer 16 + reference 4 bytes per parameter, over tp 8
     assert est["trainer"] == pytest.approx(20 * 7e9 / 8 / 2**30) and est["genrm"] == pytest.approx(
         14e9 / 2**30 + 0.5
     )
@@ -155,3 +156,91 @@ def test_judge_replicas_follow_the_load_between_replicas_and_max_replicas():
         plan_placement(cfg(*GENRM), {"CPU": 16.0, "GPU": 2.0}).genrm, config.reward.genrm
     )
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+
+
+@pytest.mark.parametrize(
+    ("dtype", "distributed", "dp", "expected"),
+    [
+        ("fp32", False, 1, 16),  # weights 4 + grads 4 + Adam 8
+        ("fp32", False, 8, 16),  # dp_size alone shards nothing
+        ("bf16", False, 4, 18),  # weights 2 + grads 4 + main weights 4 + Adam 8
+        ("bf16", True, 4, 9.0),  # 2 + 4 + 12 / 4
+        ("fp32", True, 2, 12),  # 4 + 4 + 8 / 2
+        ("bf16", True, 1, 18),  # one rank: nothing to shard over
+    ],
+)
+def test_trainer_bytes_per_param(dtype, distributed, dp, expected):
+    from yatt_ray.placement import trainer_bytes_per_param
+
+    assert trainer_bytes_per_param(dtype, distributed, dp) == pytest.approx(expected)
+
+
+MEM = (
+    "cluster.use_gpu=true",
+    "cluster.cpus_per_worker=1",
+    "train.prompts_per_step=8",
+    "rollout.kv_cache_gb=1",
+)
+
+
+def mem_cfg(dtype="fp32", distributed=False, *over):
+    return cfg(*MEM, f"train.dtype={dtype}", f"train.distributed_optimizer={str(distributed).lower()}", *over)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "distributed", "per_param"),
+    [("fp32", False, 16), ("fp32", True, 8 + 8 / 4), ("bf16", False, 18), ("bf16", True, 6 + 12 / 4)],
+)
+def test_trainer_estimate_follows_dtype_and_distributed_optimizer(dtype, distributed, per_param):
+    from yatt_ray.placement import ModelSizes, memory_estimate_gb
+
+    config = mem_cfg(dtype, distributed, "train.dp_size=4", "train.tp_size=2", "algo.kl_coef=0")
+    plan = plan_placement(config, {"CPU": 64.0, "GPU": 8.0})
+    p, critic, tp = 3_000_000_000, 1_000_000_000, 2
+    est = memory_estimate_gb(plan, config, ModelSizes(policy=p))
+    assert est["trainer"] == pytest.approx(per_param * p / tp / 2**30)
+    # a critic costs the same bytes per parameter; a reference model (kl_coef > 0) its weights only
+    with_critic = memory_estimate_gb(plan, config, ModelSizes(policy=p, critic=critic))
+    assert with_critic["trainer"] == pytest.approx(per_param * (p + critic) / tp / 2**30)
+    with_kl = mem_cfg(dtype, distributed, "train.dp_size=4", "train.tp_size=2", "algo.kl_coef=0.01")
+    weights = 2 if dtype == "bf16" else 4
+    with_ref = memory_estimate_gb(plan, with_kl, ModelSizes(policy=p))
+    assert with_ref["trainer"] == pytest.approx((per_param + weights) * p / tp / 2**30)
+
+
+def test_rollout_weights_halve_in_bf16():
+    from yatt_ray.placement import ModelSizes, memory_estimate_gb
+
+    sizes, fp32, bf16 = ModelSizes(policy=7_000_000_000), mem_cfg("fp32"), mem_cfg("bf16")
+    plan = plan_placement(fp32, {"CPU": 16.0, "GPU": 1.0})
+    kv = 1  # rollout.kv_cache_gb
+    fp32_weights = memory_estimate_gb(plan, fp32, sizes)["rollout"] - kv
+    bf16_weights = memory_estimate_gb(plan, bf16, sizes)["rollout"] - kv
+    assert fp32_weights == pytest.approx(4 * 7e9 / 2**30) and bf16_weights == pytest.approx(fp32_weights / 2)
+
+
+# 7e9 parameters on 80 GiB accelerators, dp 8, with the reference model (default kl_coef > 0), per parameter:
+# fp32 16 + 4 = 20 bytes (130 GiB), fp32 + ZeRO 9 + 4 = 13 (85 GiB), bf16 18 + 2 = 20 (130 GiB),
+# bf16 + ZeRO 7.5 + 2 = 9.5 (62 GiB): only the last fits
+FIT = ("train.dp_size=8", "placement.gpu_memory_gb=80")
+
+
+@pytest.mark.parametrize(("dtype", "distributed"), [("fp32", False), ("fp32", True), ("bf16", False)])
+def test_a_7b_trainer_does_not_fit_80_gib_without_both(dtype, distributed):
+    from yatt_ray.placement import ModelSizes
+
+    with pytest.raises(PlacementError, match=r"largest phase \(trainer\).*train.distributed_optimizer=true"):
+        plan_placement(
+            mem_cfg(dtype, distributed, *FIT), {"CPU": 64.0, "GPU": 8.0}, ModelSizes(7_000_000_000)
+        )
+
+
+def test_bf16_with_a_distributed_optimizer_fits_where_fp32_does_not():
+    from yatt_ray.placement import ModelSizes, _check_memory, memory_estimate_gb
+
+    sizes, cluster = ModelSizes(policy=7_000_000_000), {"CPU": 64.0, "GPU": 8.0}
+    fp32, zero = mem_cfg("fp32", False, *FIT), mem_cfg("bf16", True, *FIT)
+    plan = plan_placement(zero, cluster, sizes)  # the memory check passes
+    assert memory_estimate_gb(plan, zero, sizes)["trainer"] == pytest.approx(9.5 * 7e9 / 2**30)
+    with pytest.raises(PlacementError, match=r"needs about 130\.4 GiB"):
+        _check_memory(plan, fp32, sizes, 80)

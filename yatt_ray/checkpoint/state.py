@@ -1,9 +1,11 @@
 """What one training worker's checkpoint holds, and putting it back: trainer state and RNG states.
 
 A trainer (`MegatronPolicy`, `MegatronCritic`) saves its Megatron model's ``state_dict`` (this rank's
-tensor-parallel shard) and its AdamW ``state_dict``. Data-parallel replicas are identical, so only data-parallel
-rank 0's ranks save trainers; every rank saves its RNG states (python, numpy, torch CPU, torch CUDA when there
-is one, and Megatron's tensor-parallel RNG tracker).
+tensor-parallel shard) from data-parallel rank 0 only (data-parallel replicas hold the same weights), and its
+optimizer state (`optimizer.MainParamOptimizer.state_dict`: pieces of parameters by name and range) from every
+rank that owns a part of it: data-parallel rank 0 alone, or every rank when the optimizer is sharded
+(`train.distributed_optimizer`). Every rank saves its RNG states (python, numpy, torch CPU, torch CUDA when
+there is one, and Megatron's tensor-parallel RNG tracker).
 """
 
 from __future__ import annotations
@@ -16,19 +18,30 @@ import torch
 
 
 def trainer_state(trainer) -> dict[str, Any]:
-    """The live (not copied) model and optimizer state of a `MegatronTrainerBase`; the writer snapshots it.
-    A vision policy whose encoder trains (model.train_vision) adds the encoder and its optimizer."""
-    state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+    """The live (not copied) model state of a `MegatronTrainerBase`; the writer snapshots it. A vision policy
+    whose encoder trains (model.train_vision) adds the encoder and its optimizer (replicated over DP)."""
+    state = {"model": trainer.model.state_dict()}
     side = trainer._side_optimizer()
     if side is not None:
         state.update(encoder=trainer.encoder.state_dict(), encoder_optimizer=side.state_dict())
     return state
 
 
-def load_trainer_state(trainer, state: dict[str, Any]) -> None:
-    """Copy a `trainer_state` back into `trainer` (same shapes: same model and tensor-parallel size)."""
+def owns_optimizer_state(trainer, dp_rank: int) -> bool:
+    """Whether this rank's checkpoint holds optimizer state: DP rank 0, or every rank of a sharded optimizer."""
+    return dp_rank == 0 or trainer.optimizer.distributed
+
+
+def load_trainer_state(trainer, state: dict[str, Any], optimizer: list[dict] | None = None) -> None:
+    """Copy a `trainer_state` back into `trainer` (same model and tensor-parallel size), then the optimizer from
+    `optimizer`: the saved ranks' optimizer states (see `MainParamOptimizer.load_state_dict`). A checkpoint
+    written before optimizer pieces existed holds a torch AdamW state under state["optimizer"]."""
     trainer.model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:
+        optimizer = [pieces_from_adamw(state["optimizer"], trainer.model)]
+    if optimizer is None:
+        raise ValueError("the checkpoint holds no optimizer state for this trainer")
+    trainer.optimizer.load_state_dict(optimizer)
     side = trainer._side_optimizer()
     if side is not None:
         if "encoder" not in state:
@@ -38,6 +51,39 @@ def load_trainer_state(trainer, state: dict[str, Any]) -> None:
             )
         trainer.encoder.load_state_dict(state["encoder"])
         side.load_state_dict(state["encoder_optimizer"])
+
+
+def pieces_from_adamw(saved: dict[str, Any], model) -> dict[str, Any]:
+    """A torch AdamW ``state_dict`` of the whole model (what checkpoints held before optimizer pieces: param
+    groups [2-D and larger, 1-D] of the trainable parameters in `model.parameters()` order) as one rank's
+    optimizer pieces, every parameter whole."""
+    from yatt_ray.train.optimizer import PIECES_FORMAT
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    order = [p for p in trainable if p.ndim > 1] + [p for p in trainable if p.ndim <= 1]
+    names = {p: n for n, p in model.module.named_parameters()}
+    indices = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(indices) != len(order):
+        raise ValueError(
+            f"the checkpoint's optimizer state has {len(indices)} parameters, the model {len(order)}"
+        )
+    pieces = []
+    for index, param in zip(indices, order):
+        entry: dict[str, Any] = {
+            "name": names[param],
+            "start": 0,
+            "end": param.numel(),
+            "numel": param.numel(),
+        }
+        moments = saved["state"].get(index)
+        if moments:
+            entry.update(
+                step=float(moments["step"]),
+                exp_avg=moments["exp_avg"].reshape(-1),
+                exp_avg_sq=moments["exp_avg_sq"].reshape(-1),
+            )
+        pieces.append(entry)
+    return {"format": PIECES_FORMAT, "pieces": pieces}
 
 
 def rng_state() -> dict[str, Any]:

@@ -3,8 +3,10 @@
 Layout under `checkpoint.dir` (any fsspec URL)::
 
     step_00000040/manifest.json           the run's commit marker for step 40 (no files; layout in metadata)
-    ranks/rank_00000/step_00000040/...    rank 0's files: rng.pt, policy.pt (+ critic.pt), run.json
-    ranks/rank_00001/step_00000040/...    rank 1's files: rng.pt (+ its tensor-parallel shard when DP rank 0)
+    ranks/rank_00000/step_00000040/...    rank 0's files: rng.pt, policy.pt, policy_optimizer.pt (+ critic's),
+                                          run.json
+    ranks/rank_00001/step_00000040/...    rank 1's files: rng.pt (+ its tensor-parallel shard when DP rank 0;
+                                          + its optimizer shard with train.distributed_optimizer)
     hf/step_00000040/                     a Hugging Face export of the policy (at the chosen steps)
     prompt_ids/                           per-step prompt ids (only with checkpoint.log_prompt_ids)
 
@@ -31,7 +33,13 @@ from typing import Any
 import torch.distributed as dist
 
 from yatt_ray.checkpoint.schedule import CheckpointSchedule
-from yatt_ray.checkpoint.state import load_trainer_state, rng_state, set_rng_state, trainer_state
+from yatt_ray.checkpoint.state import (
+    load_trainer_state,
+    owns_optimizer_state,
+    rng_state,
+    set_rng_state,
+    trainer_state,
+)
 from yatt_ray.checkpoint.store import CheckpointError, CheckpointRef, CheckpointStore, step_dir_name
 from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
 from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
@@ -165,9 +173,9 @@ class TrainingCheckpoints:
             )
         if meta["dp_size"] != dp:
             log.warning(
-                "resuming checkpoint step %d saved with train.dp_size=%d on train.dp_size=%d: model and optimizer "
-                "come from data-parallel rank 0, the consumed prompts are global; RNG streams of new ranks are "
-                "fresh",
+                "resuming checkpoint step %d saved with train.dp_size=%d on train.dp_size=%d: the model comes "
+                "from data-parallel rank 0, the optimizer state is cut to the new ranks, the consumed prompts "
+                "are global; RNG streams of new ranks are fresh",
                 step,
                 meta["dp_size"],
                 dp,
@@ -180,17 +188,32 @@ class TrainingCheckpoints:
             store = CheckpointStore(rank_url(root, rank), _NO_RETENTION, None, opts)
             return load(store, store.ref(step), names=names)
 
-        trainers = ["policy"] + (["critic"] if state.critic is not None else [])
-        saved = entries(self.layout.tp_rank, trainers)  # data-parallel rank 0 holds this TP shard
-        load_trainer_state(state.policy, saved["policy"])
-        if state.critic is not None:
-            load_trainer_state(state.critic, saved["critic"])
+        trainers = {"policy": state.policy, "critic": state.critic}
+        trainers = {name: t for name, t in trainers.items() if t is not None}
+        saved = entries(self.layout.tp_rank, list(trainers))  # data-parallel rank 0 holds this TP shard
+        for name, trainer in trainers.items():
+            if "optimizer" in saved[name]:  # written before optimizer pieces: AdamW state inside
+                load_trainer_state(trainer, saved[name])
+                continue
+            key = f"{name}_optimizer"
+            shards = [entries(rank, [key])[key] for rank in self._optimizer_ranks(trainer, meta)]
+            load_trainer_state(trainer, saved[name], shards)
         run = entries(0, [RUN_ENTRY])[RUN_ENTRY]
         if self.layout.rank < meta["world_size"]:
             set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
         return Resumed(
             step, int(run["epoch"]), run_position(run), float(run["kl"]), _rows(run["history"]), root
         )
+
+    def _optimizer_ranks(self, trainer, meta: dict) -> list[int]:
+        """The saved ranks whose optimizer files this rank reads: its own when the sharding is unchanged, else
+        every saved shard of its tensor-parallel rank (each rank then cuts out its part)."""
+        tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
+        if not meta.get("distributed_optimizer") or meta["dp_size"] == 1:
+            return [tp_rank]  # data-parallel rank 0 holds the whole state
+        if trainer.optimizer.distributed and meta["dp_size"] == self.layout.dp_size:
+            return [self.layout.rank]
+        return [dp * tp + tp_rank for dp in range(meta["dp_size"])]
 
     def _drop_newer(self, step: int) -> None:
         """Remove this run's checkpoints after `step` (a dead attempt's, or damaged): the redone steps replace
@@ -320,6 +343,7 @@ class TrainingCheckpoints:
             "world_size": dist.get_world_size(),
             "dp_size": self.layout.dp_size,
             "tp_size": self.layout.tp_size,
+            "distributed_optimizer": bool(self.config.train.distributed_optimizer),
         }
         try:
             self.store.commit(self.store.begin(step), meta)
@@ -375,10 +399,13 @@ class TrainingCheckpoints:
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         payload: dict[str, Any] = {"rng": rng_state()}
-        if self.layout.dp_rank == 0:
-            payload["policy"] = trainer_state(state.policy)
-            if state.critic is not None:
-                payload["critic"] = trainer_state(state.critic)
+        for name, trainer in (("policy", state.policy), ("critic", state.critic)):
+            if trainer is None:
+                continue
+            if self.layout.dp_rank == 0:
+                payload[name] = trainer_state(trainer)
+            if owns_optimizer_state(trainer, self.layout.dp_rank):
+                payload[f"{name}_optimizer"] = trainer.optimizer.state_dict()
         if self.layout.rank == 0:
             assert gathered is not None
             epoch, position = merge_positions([g for g in gathered if g is not None])

@@ -117,8 +117,14 @@ def cuda_matmul_dtype(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
 
 
-def measure_matmul_flops(threads: int, size: int = 1024, seconds: float = 0.3, trials: int = 3) -> float:
-    """The CPU's fp32 matmul FLOP/s with `threads` torch threads: 2 n^3 per [n, n] x [n, n] product, the best
+def measure_matmul_flops(
+    threads: int,
+    size: int = 1024,
+    seconds: float = 0.3,
+    trials: int = 3,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """The CPU's matmul FLOP/s in `dtype` with `threads` torch threads: 2 n^3 per [n, n] x [n, n] product, the best
     of `trials` windows of `seconds / trials` each after one warm-up product (the best, so that a moment of
     contention from another process does not lower the peak), over both GEMM libraries of the torch build:
     MKL (`torch.matmul`) and oneDNN (what the trainer's linear layers and vLLM use on the CPU; on AMD CPUs MKL
@@ -128,7 +134,7 @@ def measure_matmul_flops(threads: int, size: int = 1024, seconds: float = 0.3, t
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         kernels = [torch.matmul] + ([onednn_mm_t] if onednn_linear_available() else [])
         best = 0.0
         for mm in kernels:
@@ -152,8 +158,8 @@ def _matmul_rate(mm, a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
 def worker_perf_model(
     shape, threads: int, override: float | None, dtype: torch.dtype = torch.float32
 ) -> PerfModel:
-    """This worker's PerfModel: `cluster.peak_flops` when set, else the table for its CUDA device, else (CPU) a
-    measured fp32 matmul peak with its `threads`."""
+    """This worker's PerfModel: `cluster.peak_flops` when set, else the table for its CUDA device and `dtype`,
+    else (CPU) a measured matmul peak in `dtype` with its `threads`."""
     flops = ModelFlops.from_shape(shape)
     if override is not None:
         return PerfModel(flops, override, "cluster.peak_flops")
@@ -164,6 +170,7 @@ def worker_perf_model(
         return PerfModel(flops, peak, source)
     return PerfModel(
         flops,
-        measure_matmul_flops(threads),
-        f"measured: fp32 matmul (best of MKL, oneDNN), {threads} thread(s)",
+        measure_matmul_flops(threads, dtype=dtype),
+        f"measured: {'bf16' if dtype == torch.bfloat16 else 'fp32'} matmul (best of MKL, oneDNN), {threads} "
+        "thread(s)",
     )

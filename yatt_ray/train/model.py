@@ -72,9 +72,10 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(shape: LlamaShape, tp_size: int):
-    """A Megatron `TransformerConfig` for a Llama-family decoder (fp32, no dropout, no fusions; biases only on
-    q/k/v for Qwen2 (`shape.qkv_bias`), RMSNorm on each head's queries and keys for Qwen3 (`shape.qk_norm`)).
+def transformer_config(shape: LlamaShape, tp_size: int, dtype: torch.dtype = torch.float32):
+    """A Megatron `TransformerConfig` for a Llama-family decoder (weights in `dtype`: float32 or bfloat16, the
+    attention softmax in fp32 either way; no dropout, no fusions; biases only on q/k/v for Qwen2
+    (`shape.qkv_bias`), RMSNorm on each head's queries and keys for Qwen3 (`shape.qk_norm`)).
 
     `calculate_per_token_loss=True` makes Megatron DDP SUM gradients over data-parallel ranks (no 1/dp
     pre-scaling): the library's losses are already divided by the global normaliser.
@@ -109,7 +110,9 @@ def transformer_config(shape: LlamaShape, tp_size: int):
         init_method=torch.nn.init.zeros_,
         output_layer_init_method=torch.nn.init.zeros_,
         embedding_init_method=torch.nn.init.zeros_,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype
+        == torch.bfloat16,  # Megatron's "inputs in bf16" switch: the attention softmax runs in fp32
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -123,8 +126,9 @@ def transformer_config(shape: LlamaShape, tp_size: int):
     )
 
 
-def build_gpt_model(shape: LlamaShape):
-    """An uninitialised Megatron `GPTModel` (local spec, RMSNorm, SwiGLU, RoPE) for this rank's TP shard.
+def build_gpt_model(shape: LlamaShape, dtype: torch.dtype = torch.float32):
+    """An uninitialised Megatron `GPTModel` (local spec, RMSNorm, SwiGLU, RoPE) for this rank's TP shard, its
+    weights in `dtype`.
 
     With `shape.qk_norm` the local spec's q/k_layernorm is its RMSNorm (torch.nn.RMSNorm over head_dim, eps
     rms_norm_eps), applied per head before RoPE, as Qwen3 does. RoPE's inverse frequencies are set from
@@ -143,7 +147,7 @@ def build_gpt_model(shape: LlamaShape):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     apply_cpu_shims()
-    config = transformer_config(shape, ps.get_tensor_model_parallel_world_size())
+    config = transformer_config(shape, ps.get_tensor_model_parallel_world_size(), dtype)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(  # default normalization is LayerNorm
@@ -157,6 +161,7 @@ def build_gpt_model(shape: LlamaShape):
         rotary_base=int(shape.rope_theta),
         rotary_percent=1.0,
     )
+    model = model.to(dtype)  # what Megatron's Float16Module does: the local spec's torch norms are built fp32
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     rope = model.rotary_pos_emb

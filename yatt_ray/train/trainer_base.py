@@ -1,6 +1,7 @@
 """What every Megatron trainer of the library shares (`MegatronPolicy`, `MegatronCritic`).
 
-A trainer is one Megatron `GPTModel` (subclasses say how to build it) under Megatron DDP with plain AdamW, and:
+A trainer is one Megatron `GPTModel` (subclasses say how to build it) in fp32 or bf16 under Megatron DDP, with
+AdamW on fp32 main weights, optionally sharded over data-parallel ranks (`optimizer.MainParamOptimizer`), and:
 - a no-grad pass over a batch in micro-batches whose per-row results come back in the original row order;
 - a training step: micro-batches forward + backward (gradients accumulate), one DP all-reduce, clip, step;
 - TP gathering of the full state dict, HF-directory writing, and offload / onload to host memory.
@@ -33,13 +34,15 @@ from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.train.hf_convert import LlamaShape, StateDict
 from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
 from yatt_ray.train.model import init_parallel_state, seed_everything, tp_partial_grad_parameters
+from yatt_ray.train.optimizer import MainParamOptimizer, main_grad
 
 MicroLoss = Callable[[dict], tuple[torch.Tensor, dict]]
 RowForward = Callable[..., Sequence[torch.Tensor]]  # (ids [b, T], mask [b, T], **extra rows) -> [b, ...] each
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> the weights' torch dtype
 
 
 class MegatronTrainerBase:
-    """Megatron DDP + AdamW + micro-batch loops + offload around the model that `_build_model` returns.
+    """Megatron DDP + AdamW on main weights + micro-batch loops + offload around `_build_model`'s model.
 
     Args:
         model_dir: Hugging Face Llama directory the model is built from (config.json, *.safetensors, ...).
@@ -47,6 +50,8 @@ class MegatronTrainerBase:
         lr, weight_decay, betas: AdamW settings (no weight decay on 1-D params: norm weights, biases).
         grad_clip: max global grad norm (<= 0 turns clipping off; the norm is still reported).
         seed: torch and Megatron RNG seed.
+        dtype: "fp32" or "bf16" (the weights and compute; gradients and the optimizer's main weights are fp32).
+        distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
     """
 
     def __init__(
@@ -58,8 +63,14 @@ class MegatronTrainerBase:
         betas: tuple[float, float],
         grad_clip: float,
         seed: int,
+        dtype: str = "fp32",
+        distributed_optimizer: bool = False,
     ):
         from megatron.core import parallel_state as ps
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        self.dtype = DTYPES[dtype]
 
         self.model_dir = Path(model_dir)
         self.shape = LlamaShape.from_hf_dir(self.model_dir)
@@ -72,9 +83,11 @@ class MegatronTrainerBase:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         )
-        self.model = _wrap_ddp(self._build_model())
-        self.optimizer = _make_adamw(self.model, lr, weight_decay, betas)
-        self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.model = _wrap_ddp(self._build_model(), distributed_optimizer)
+        self.optimizer = MainParamOptimizer(
+            self.model, lr, weight_decay, betas, distributed_optimizer, self.dp_group
+        )
+        self._offloaded: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.forward_tokens = 0  # tokens the model ran over since the last train step began (packed)
         # set by the controller: a train step's parts become timeline spans (the gradient all-reduce as a wait)
         self.recorder: SpanRecorder | None = None
@@ -83,7 +96,7 @@ class MegatronTrainerBase:
     # ---- what subclasses provide ---------------------------------------------------------------------------
 
     def _build_model(self) -> torch.nn.Module:
-        """The trainable (unwrapped) model, weights loaded; called once by __init__."""
+        """The trainable (unwrapped) model in `self.dtype`, weights loaded; called once by __init__."""
         raise NotImplementedError
 
     def _frozen_modules(self) -> list[torch.nn.Module]:
@@ -183,43 +196,48 @@ class MegatronTrainerBase:
             self.compute_s += time.perf_counter() - start
 
     def _sync_and_clip(self) -> float:
-        """All-reduce (sum) grads over DP, expose them as p.grad, clip by the global norm; return the norm."""
-        self.model.finish_grad_sync()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = p.main_grad
+        """Sum gradients over DP (all-reduce, or reduce-scatter into the owned shards when the optimizer is
+        sharded), clip by the global norm; return the norm."""
         if dist.get_world_size(self.tp_group) > 1:  # per-head norms (Qwen3): each TP rank saw its heads only
             for p in tp_partial_grad_parameters(self.model):
-                dist.all_reduce(p.grad, group=self.tp_group)
-        side = self._side_params()
-        for p in side:  # summed over data-parallel ranks like the model's (the loss is globally normalised)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                dist.all_reduce(main_grad(p), group=self.tp_group)
+        self.model.finish_grad_sync()
+        side = []
+        for (
+            p
+        ) in self._side_params():  # summed over DP ranks like the model's (the loss is globally normalised)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = grad
             if dist.get_world_size(self.dp_group) > 1:
-                dist.all_reduce(p.grad, group=self.dp_group)
-        params += side
-        norm = self._grad_norm(params)
+                dist.all_reduce(grad, group=self.dp_group)
+            side.append((p, grad))
+        norm = self._grad_norm(side)
         if self.grad_clip > 0 and norm > self.grad_clip:
             scale = self.grad_clip / (norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
+            self.optimizer.scale_grads(scale)
+            for _, grad in side:
+                grad.mul_(scale)
         return norm
 
-    def _grad_norm(self, params: list[torch.nn.Parameter]) -> float:
-        """L2 norm of the whole model's gradient; TP-replicated params (norms, value head) counted once."""
+    def _grad_norm(self, side: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
+        """L2 norm of the whole gradient (the model's owned pieces and `side`'s (param, grad) pairs);
+        TP-replicated params (norms, the value head) counted once."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p, self.tp_group):
-                sq += p.grad.detach().double().pow(2).sum()
+        def counted(p) -> bool:
+            return param_is_not_tensor_parallel_duplicate(p, self.tp_group)
+
+        sq = self.optimizer.grad_square_sum(counted).to(self.device)
+        for p, grad in side:
+            if counted(p):
+                sq += grad.detach().double().pow(2).sum()
         if dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
         return math.sqrt(float(sq))
 
     def _zero_grads(self) -> None:
         self.model.zero_grad_buffer()
-        for p in [*self.model.parameters(), *self._side_params()]:
+        for p in self._side_params():
             p.grad = None
 
     def _sum_over_dp(self, totals: dict[str, float]) -> dict[str, float]:
@@ -270,64 +288,65 @@ class MegatronTrainerBase:
     # ---- offload -------------------------------------------------------------------------------------------
 
     def offload(self) -> int:
-        """Move params (and those of `_frozen_modules`), grad buffers and optimizer state to host memory.
+        """Move params (and those of `_frozen_modules`), grad buffers and optimizer state (main weights,
+        moments) to host memory.
 
-        Device tensors keep their identity: each is copied to a host tensor and its device storage is freed
-        (resized to 0), so optimizer and DDP references stay valid. Grad buffers hold nothing between steps
-        and are only freed. On CPU the copy and free still happen (that is what the tests exercise).
+        Device tensors keep their identity: each storage is copied to host memory whole and freed (resized to
+        0), so the optimizer's, DDP's and every view's references stay valid. Grad buffers hold nothing between
+        steps and are only freed. On CPU the copy and free still happen (that is what the tests exercise).
         Returns the bytes moved to host memory.
         """
         if self._offloaded:
             return 0
-        for t in self._offloadable():
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-            host.copy_(t)
-            t.untyped_storage().resize_(0)
-            self._offloaded.append((t, host))
+        for storage in self._offloadable():
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            host.copy_(_as_bytes(storage))
+            storage.resize_(0)
+            self._offloaded.append((storage, host))
         self.model.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=True)
-        return sum(host.numel() * host.element_size() for _, host in self._offloaded)
+        return sum(host.numel() for _, host in self._offloaded)
 
     def onload(self) -> None:
         """Undo `offload`: reallocate device storage, copy the host copies back, re-create zeroed grad buffers."""
         if not self._offloaded:
             return
-        for t, host in self._offloaded:
-            t.untyped_storage().resize_(host.numel() * host.element_size())
-            t.copy_(host)
+        for storage, host in self._offloaded:
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host)
         self._offloaded = []
         self.model.restore_grad_buffers(synchronize=torch.cuda.is_available())
 
-    def _offloadable(self) -> list[torch.Tensor]:
-        """Params' data tensors and optimizer-state tensors, each storage once."""
-        tensors = [p.data for p in self.model.parameters()]
+    def _offloadable(self) -> list[torch.UntypedStorage]:
+        """The storages of params and optimizer state, each once (a sharded optimizer's params are views of
+        one DDP buffer; an fp32 main weight is a view of its param)."""
+        tensors = [p.data for p in self.model.parameters()] + self.optimizer.tensors()
         for module in self._frozen_modules():
             tensors += [p.data for p in module.parameters()]
         side = self._side_optimizer()
-        for optimizer in [self.optimizer, *([side] if side is not None else [])]:
-            for state in optimizer.state.values():
-                tensors += [v for v in state.values() if torch.is_tensor(v) and v.numel() > 0]
-        unique: dict[int, torch.Tensor] = {}
+        for state in side.state.values() if side is not None else []:
+            tensors += [v for v in state.values() if torch.is_tensor(v) and v.numel() > 0]
+        unique: dict[int, torch.UntypedStorage] = {}
         for t in tensors:
-            unique.setdefault(t.untyped_storage().data_ptr(), t)
+            unique.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
         return list(unique.values())
 
 
-def _wrap_ddp(model: torch.nn.Module):
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool):
+    """Megatron DDP with fp32 gradient buffers; with `distributed_optimizer` it reduce-scatters them into the
+    owned shards and keeps the weights in one flat buffer per dtype that `start_param_sync` all-gathers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-
-
-def _make_adamw(model: torch.nn.Module, lr, weight_decay, betas) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
 
 
 def write_hf_dir(
