@@ -3,7 +3,8 @@ read as it is (chat-message prompts through the tokenizer's chat template, the a
 `reward_model.ground_truth`, the id under `extra_info.index`, the `math` reward by data source).
 
 The trainer's recomputed log-probs agreeing with the engine's every step shows that the family's conversion
-(QKV bias, per-head QK norm) holds in both directions, weight sync included."""
+(QKV bias, per-head QK norm) holds in both directions, weight sync included. The Qwen2 run is in bf16 with the
+optimizer sharded over its 2 data-parallel ranks (trainer and engine in bf16: they agree to bf16's precision)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def verl_parquet(path: Path, count: int) -> str:
     return str(path)
 
 
+PRECISION = {"qwen2": ["train.dtype=bf16", "train.distributed_optimizer=true"], "qwen3": []}
+MISMATCH = {"qwen2": 0.05, "qwen3": 1e-3}  # mean |trainer - engine| log-prob per token
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_family_trains_from_a_verl_file_with_vllm(family, ray_cluster, tmp_path):
     from transformers import AutoTokenizer
@@ -53,11 +58,14 @@ def test_a_family_trains_from_a_verl_file_with_vllm(family, ray_cluster, tmp_pat
          "data.answer_key=reward_model.ground_truth", "data.id_key=extra_info.index", "reward.function=math",
          "data.system_prompt=Add", "rollout.engine=vllm", f"output.dir={tmp_path / 'run'}",
          "output.progress=false", "output.tensorboard=false", "output.plot=false", "train.steps=3",
-         "train.prompts_per_step=8", "rollout.n=4", "train.dp_size=2", "checkpoint.enable=false"],
+         "train.prompts_per_step=8", "rollout.n=4", "train.dp_size=2", "checkpoint.enable=false",
+         *PRECISION[family]],
     )  # fmt: skip
     result = yatt_ray.fit(config)
     steps = [r for r in result.history if "reward_mean" in r]
     assert [int(r["step"]) for r in steps] == [1, 2, 3]
     assert all(r["samples"] == 32 for r in steps)
-    assert all(r["rollout_logp_diff"] < 1e-3 for r in steps), [r["rollout_logp_diff"] for r in steps]
+    diffs = [r["rollout_logp_diff"] for r in steps]
+    assert all(d < MISMATCH[family] for d in diffs), diffs
+    print(f"{family} {PRECISION[family]}: rollout_logp_diff per step {diffs}")
     assert all(r["response_length"] > 0 for r in steps)

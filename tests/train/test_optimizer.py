@@ -175,3 +175,35 @@ def test_an_adamw_checkpoint_of_before_pieces_loads(tiny_model_dir, single_proce
         assert float(state["step"]) == 3.0
         assert torch.equal(state["exp_avg"], torch.full((pc.end - pc.start,), float(index[id(pc.param)])))
     assert pieces_from_adamw(old.state_dict(), p.model)["pieces"][0]["numel"] == order[0].numel()
+
+
+def tp2_worker(rank, world_size, model_dir):
+    batch, loss_fn = _setup()
+    p = MegatronPolicy(model_dir, tp_size=2, lr=LR, grad_clip=1.0, seed=0, dtype="bf16")
+    return p.train_step(batch, loss_fn, micro_batch_size=2)
+
+
+def test_bf16_under_tensor_parallelism_takes_the_one_rank_step(tiny_model_dir, single_process_world):
+    batch, loss_fn = _setup()
+    one = _policy(tiny_model_dir, dtype="bf16").train_step(batch, loss_fn, micro_batch_size=2)
+    tp2 = run_ranks(tp2_worker, 2, tiny_model_dir)
+    for m in tp2:
+        assert m["grad_norm"] == pytest.approx(one["grad_norm"], rel=2e-2)
+        assert m["loss"] == pytest.approx(one["loss"], rel=2e-2, abs=1e-3)
+
+
+def test_bf16_critic_values_and_step_track_fp32(tiny_model_dir, single_process_world):
+    from train_helpers import make_value_batch, make_value_loss_fn, real_tokens
+
+    from yatt_ray.train import MegatronCritic
+
+    batch = make_value_batch(n_rows=4, length=10, seed=2)
+    loss_fn = make_value_loss_fn(real_tokens(batch))
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        critic = MegatronCritic(tiny_model_dir, lr=LR, seed=0, dtype=dtype)
+        values = critic.values(batch["input_ids"], batch["attention_mask"], micro_batch_size=4)
+        out[dtype] = values, critic.train_step(batch, loss_fn, micro_batch_size=2)
+    (v32, m32), (v16, m16) = out["fp32"], out["bf16"]
+    assert v16.dtype == torch.float32 and (v16 - v32).abs().max() < 0.05
+    assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=0.05)

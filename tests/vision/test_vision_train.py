@@ -310,3 +310,31 @@ def test_projector_mode_trains_projector_and_decoder(megatron_vlm, vlm_dir, pixe
     assert model.decoder.layers[0].self_attention.linear_qkv.weight.grad.abs().sum() > 0
     for p in model.parameters():
         p.grad = None
+
+
+def test_a_bf16_vision_policy_tracks_fp32(vlm_dir, pixels, single_process_world):
+    """train.dtype=bf16 with a LLaVA policy: the fp32 encoder's features enter the bf16 decoder; log-probs and
+    the first step stay within bf16's precision of fp32, and the projector trains."""
+    from yatt_ray.train import MegatronPolicy
+
+    ids = torch.tensor([[1, 20] + [IMG] * P + [30, 31, 32]] * 2)
+    mask = torch.ones_like(ids)
+    images = {"pixel_values": torch.stack([pixels(1, 3), pixels(1, 4)]), "image_count": torch.tensor([1, 1])}
+    batch = {"input_ids": ids, "attention_mask": mask, **images}
+
+    def loss_fn(logp, entropy, mb):
+        loss = -logp[:, -3:].sum() / 6
+        return loss, {"loss": loss.detach()}
+
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        policy = MegatronPolicy(vlm_dir, lr=1e-3, seed=0, dtype=dtype, train_vision="projector")
+        logp = policy.log_probs(ids, mask, 2, images=images)[0]
+        projector = policy.encoder.multi_modal_projector.linear_1.weight.detach().clone()
+        metrics = policy.train_step(batch, loss_fn, micro_batch_size=2)
+        moved = (policy.encoder.multi_modal_projector.linear_1.weight.detach() - projector).abs().max()
+        out[dtype] = logp, metrics, float(moved)
+    (l32, m32, moved32), (l16, m16, moved16) = out["fp32"], out["bf16"]
+    assert (l16 - l32).abs().max() < 0.1
+    assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=0.05)
+    assert moved16 > 0 and moved32 > 0
