@@ -41,6 +41,9 @@ QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     ("Apex is not installed", UserWarning),
     ("full scope is deprecated", UserWarning),
     ("`torch.distributed.reduce_op` is deprecated", FutureWarning),
+    # Megatron DDP's collectives of the sharded optimizer (train.distributed_optimizer), under torch 2.13's names
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
 )
 STARTUP_CONCURRENCY = 8  # a local raylet warns at 4x this many Python workers started at once
 _RAY_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"

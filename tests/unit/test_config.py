@@ -220,3 +220,4 @@ def test_the_gsm8k_recipe_reads_verl_files_as_they_are():
     cfg = load_config("examples/configs/grpo_qwen_gsm8k.yaml")
     assert (cfg.data.answer_key, cfg.data.id_key, cfg.reward.function) == (
         "reward_model.ground_truth", "extra_info.index", "math")  # fmt: skip
+    assert (cfg.train.dtype, cfg.train.distributed_optimizer) == ("bf16", True)
