@@ -39,6 +39,7 @@ from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.prompts import ImageLayout, PromptEncoder
+from yatt_ray.train.micro_batches import mini_batch_rows
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
 from yatt_ray.roles import Layout, Roles, build_roles
@@ -529,7 +530,7 @@ class GroupController:
         if batch.old_logp is None:  # on-policy: the training forward fills it
             batch.old_logp = record = torch.zeros_like(batch.rollout_logp)
         for _ in range(cfg.algo.ppo_epochs):
-            for chunk in torch.arange(batch.size).chunk(cfg.algo.ppo_mini_batches):
+            for chunk in mini_batch_rows(batch.size, batch.group_size, cfg.algo.ppo_mini_batches):
                 mini = batch.rows(chunk)
                 global_tokens = self._dp_sum(mini.response_mask.sum())
                 global_seqs = self._dp_sum(torch.tensor(float(mini.size)))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from yatt_ray.train import plan_micro_batches
-from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
+from yatt_ray.train.micro_batches import micro_batch_indices, mini_batch_rows, select_rows
 
 
 def cost(lengths, group):
@@ -80,3 +80,21 @@ def test_fixed_size_keeps_groups_and_balances_tokens():
     chunks = [int(mask[s : s + 6].sum()) for s in range(0, rows, 6)]
     assert max(tokens) - min(tokens) < max(chunks) - min(chunks)
     assert [m[0] for m in plan] == sorted(m[0] for m in plan)  # ordered by first row
+
+
+@pytest.mark.parametrize("groups, size, count", [(6, 4, 4), (5, 2, 2), (3, 8, 1), (2, 3, 4)])
+def test_mini_batches_are_whole_groups_covering_every_row_once(groups, size, count):
+    chunks = mini_batch_rows(groups * size, size, count)
+    rows = torch.cat(chunks)
+    assert sorted(rows.tolist()) == list(range(groups * size))
+    assert len(chunks) == min(count, groups)
+    assert max(map(len, chunks)) - min(map(len, chunks)) <= size  # group counts differ by at most one
+    for chunk in chunks:
+        assert len(chunk) % size == 0
+        assert all(set(g.tolist()) == set(range(g[0], g[0] + size)) for g in chunk.view(-1, size))
+        assert chunk[0] % size == 0
+
+
+def test_mini_batches_refuse_partial_groups():
+    with pytest.raises(ValueError, match="whole groups"):
+        mini_batch_rows(10, 4, 2)

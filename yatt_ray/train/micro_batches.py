@@ -101,3 +101,14 @@ def select_rows(batch: dict, rows: int, index: list[int], device) -> dict:
         else:
             out[key] = value
     return out
+
+
+def mini_batch_rows(rows: int, group_size: int, count: int) -> list[torch.Tensor]:
+    """The row indices of `count` PPO mini-batches over `rows` rows: whole groups of `group_size` consecutive
+    rows each (a group's samples share their prompt, which packing computes once, and a vision policy's
+    images), the G = rows / group_size groups in order, min(count, G) mini-batches whose group counts differ
+    by at most one. Raises ValueError when the rows are not whole groups."""
+    if group_size < 1 or rows % group_size:
+        raise ValueError(f"{rows} rows are not whole groups of {group_size}")
+    groups = [g for g in torch.arange(rows // group_size).tensor_split(count) if len(g)]
+    return [(g[:, None] * group_size + torch.arange(group_size)[None, :]).reshape(-1) for g in groups]
