@@ -1,6 +1,8 @@
 """`train.dtype=bf16` (fp32 main weights) and the sharded optimizer (ZeRO-1) against the plain fp32 trainer:
 the same steps, real sharding, offload, and checkpoints cut to another data-parallel size."""
 
+import json
+
 import pytest
 import torch
 from dist_harness import run_ranks
@@ -207,3 +209,15 @@ def test_bf16_critic_values_and_step_track_fp32(tiny_model_dir, single_process_w
     (v32, m32), (v16, m16) = out["fp32"], out["bf16"]
     assert v16.dtype == torch.float32 and (v16 - v32).abs().max() < 0.05
     assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=0.05)
+
+
+def test_a_bf16_export_says_bf16_and_loads_as_it_was_saved(tiny_model_dir, single_process_world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    policy = _policy(tiny_model_dir, dtype="bf16")
+    out = policy.save_hf(tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert hf.dtype == torch.bfloat16
+    sd = policy.hf_state_dict()
+    assert all(torch.equal(hf.state_dict()[k], t) for k, t in sd.items())

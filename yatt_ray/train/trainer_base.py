@@ -354,7 +354,8 @@ def write_hf_dir(
 ) -> Path:
     """Write a HF directory: `source_dir`'s non-weight files (config, tokenizer, ...) + model.safetensors.
 
-    `config_update` entries are merged into the copied config.json.
+    `config_update` entries are merged into the copied config.json; so is the weights' dtype ("dtype", and
+    "torch_dtype" where the config has that older key) when every floating tensor has the same one.
     """
     from safetensors.torch import save_file
 
@@ -365,6 +366,12 @@ def write_hf_dir(
             continue  # saving over the source directory: keep its files
         if src.is_file() and not src.name.endswith(".safetensors") and "safetensors.index" not in src.name:
             shutil.copy2(src, out / src.name)
+    dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
+    config_update = dict(config_update or {})
+    if len(dtypes) == 1:
+        config_update.setdefault("dtype", str(dtypes.pop()).removeprefix("torch."))
+        if "torch_dtype" in json.loads((out / "config.json").read_text()):
+            config_update.setdefault("torch_dtype", config_update["dtype"])
     if config_update:
         config = json.loads((out / "config.json").read_text())
         config.update(config_update)
