@@ -39,12 +39,12 @@ from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.prompts import ImageLayout, PromptEncoder
-from yatt_ray.train.micro_batches import mini_batch_rows
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
 from yatt_ray.roles import Layout, Roles, build_roles
 from yatt_ray.rollout.base import SamplingSpec
 from yatt_ray.step import compute_advantages, is_on_policy, policy_loss_fn, reduce_metrics, value_loss_fn
+from yatt_ray.train.micro_batches import mini_batch_rows
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,17 @@ class GroupController:
 
         control, rank0 = loop_config["control"], self.layout.rank == 0
         self.checkpoints = TrainingCheckpoints(self.config, self.layout, control, self.hub)
-        self.state = TrainState(self.policy, self.critic, feed=None, kl_coef=lambda: self.kl_ctl.value)
+        self.state = TrainState(
+            self.policy,
+            self.critic,
+            feed=None,
+            kl_coef=lambda: self.kl_ctl.value,
+            keep_rate=lambda: self.keep_rate,
+        )
         self.resumed = self.checkpoints.resume(self.state)
         if self.resumed is not None:
             self.kl_ctl.value = self.resumed.kl_coef
+            self.keep_rate = self.resumed.keep_rate  # dynamic sampling draws as it did before the stop
             self.sync_weights()  # the rollout engine generates with the restored policy
         epoch, position = (self.resumed.epoch, self.resumed.position) if self.resumed else (0, {})
         dataset = loop_config["train_dataset"]

@@ -21,6 +21,7 @@ from yatt_ray.testing.drills import (
     corrupt_checkpoint,
     kill_training_worker,
     newest_position,
+    newest_run_state,
     prompt_audit,
     prompt_records,
     surviving_records,
@@ -230,3 +231,5 @@ def test_dynamic_and_over_sampling_through_a_killed_worker_consume_each_prompt_o
         sum(result.metric("dynamic/dropped_groups")) > 0
         and sum(result.metric("rollout/requeued_prompts")) > 0
     )
+    run = newest_run_state(ckpt)  # dynamic sampling's keep-rate estimate survives the restart
+    assert run is not None and 0.1 <= run["keep_rate"] < 1.0, run["keep_rate"]

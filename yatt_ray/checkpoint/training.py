@@ -47,7 +47,9 @@ from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
 log = logging.getLogger("yatt_ray.checkpoint")
 
 RUN_FORMAT = "yatt_ray.run/2"  # /2: run state as JSON (run.json), tensors read with weights_only=True
-RUN_ENTRY = "run.json"  # step, data position (epoch, consumed ids by epoch), metrics history, KL coefficient
+RUN_ENTRY = (
+    "run.json"  # step, data position (epoch, consumed ids by epoch), history, KL coefficient, keep rate
+)
 _NO_RETENTION = 2**31 - 1  # rank stores keep everything; rank 0 prunes them after the run's retention
 _STEP_RE = re.compile(r"step_(\d{8,})/?$")
 
@@ -81,12 +83,14 @@ class TrainState:
 
     `policy` / `critic`: `MegatronTrainerBase` (model and optimizer); `feed`: the controller's `PromptFeed`
     (None on other ranks; its consumed ids by epoch are the data position); `kl_coef`: the KL coefficient now
-    (read at each save)."""
+    (read at each save); `keep_rate`: dynamic sampling's estimate of the share of drawn groups kept (the
+    controller's; a run saves the mean over its controllers)."""
 
     policy: Any
     critic: Any | None
     feed: Any | None
     kl_coef: Callable[[], float]
+    keep_rate: Callable[[], float] = lambda: 1.0
 
 
 @dataclass
@@ -100,6 +104,7 @@ class Resumed:
     kl_coef: float
     history: list[MetricRow] = field(default_factory=list)
     source: str = ""
+    keep_rate: float = 1.0  # dynamic sampling's estimate (1.0 from checkpoints written before it was saved)
 
 
 class TrainingCheckpoints:
@@ -202,7 +207,13 @@ class TrainingCheckpoints:
         if self.layout.rank < meta["world_size"]:
             set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
         return Resumed(
-            step, int(run["epoch"]), run_position(run), float(run["kl"]), _rows(run["history"]), root
+            step,
+            int(run["epoch"]),
+            run_position(run),
+            float(run["kl"]),
+            _rows(run["history"]),
+            root,
+            float(run.get("keep_rate", 1.0)),
         )
 
     def _optimizer_ranks(self, trainer, meta: dict) -> list[int]:
@@ -395,7 +406,7 @@ class TrainingCheckpoints:
 
     def _payload(self, step: int, state: TrainState) -> dict[str, Any]:
         feed = state.feed
-        mine = (feed.open_epoch(), feed.position(0)) if feed is not None else None
+        mine = (feed.open_epoch(), feed.position(0), state.keep_rate()) if feed is not None else None
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         payload: dict[str, Any] = {"rng": rng_state()}
@@ -408,7 +419,8 @@ class TrainingCheckpoints:
                 payload[f"{name}_optimizer"] = trainer.optimizer.state_dict()
         if self.layout.rank == 0:
             assert gathered is not None
-            epoch, position = merge_positions([g for g in gathered if g is not None])
+            groups = [g for g in gathered if g is not None]
+            epoch, position = merge_positions([(open_epoch, ids) for open_epoch, ids, _ in groups])
             payload[RUN_ENTRY] = {
                 "step": step,
                 "epoch": epoch,
@@ -416,6 +428,7 @@ class TrainingCheckpoints:
                 "position": {str(e): ids for e, ids in position.items()},
                 "history": self._history(),
                 "kl": float(state.kl_coef()),
+                "keep_rate": sum(rate for _, _, rate in groups) / len(groups),
             }
         return payload
 

@@ -93,14 +93,20 @@ def _with_epochs(record: dict) -> list[tuple]:
     return list(zip(record["ids"], epochs))
 
 
-def newest_position(checkpoint_dir: str, storage_options: dict | None = None) -> tuple[int, int, dict] | None:
-    """(step, oldest open epoch, consumed ids by epoch) of the newest valid checkpoint, or None."""
+def newest_run_state(checkpoint_dir: str, storage_options: dict | None = None) -> dict | None:
+    """The run state (run.json: step, epoch, position, history, KL, keep rate) of the newest valid checkpoint,
+    or None."""
     ref = CheckpointStore(checkpoint_dir, storage_options=storage_options).latest_valid()
     if ref is None:
         return None
     rank0 = CheckpointStore(rank_url(checkpoint_dir, 0), _NO_RETENTION, None, storage_options)
-    run = load(rank0, rank0.ref(ref.step), [RUN_ENTRY])[RUN_ENTRY]
-    return ref.step, int(run["epoch"]), run_position(run)
+    return load(rank0, rank0.ref(ref.step), [RUN_ENTRY])[RUN_ENTRY]
+
+
+def newest_position(checkpoint_dir: str, storage_options: dict | None = None) -> tuple[int, int, dict] | None:
+    """(step, oldest open epoch, consumed ids by epoch) of the newest valid checkpoint, or None."""
+    run = newest_run_state(checkpoint_dir, storage_options)
+    return None if run is None else (int(run["step"]), int(run["epoch"]), run_position(run))
 
 
 def committed_steps(checkpoint_dir: str) -> list[int]:
