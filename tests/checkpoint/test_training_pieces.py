@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from yatt_ray.checkpoint import CheckpointStore
-from yatt_ray.checkpoint.training import _split_step
+from yatt_ray.checkpoint.training import _split_step, optimizer_ranks
 from yatt_ray.config import load_config
 from yatt_ray.data.feed import SKIP, MarkConsumed
 from yatt_ray.errors import ConfigError
@@ -100,3 +100,30 @@ def test_idle_rows_that_trail_their_step_are_not_redone_steps():
     ]
     kept, dropped = rewind_history(rows)
     assert dropped == 0 and kept == rows
+
+
+def _layout(dp_rank: int, dp_size: int, tp_rank: int = 0, tp_size: int = 1):
+    from yatt_ray.roles import Layout
+
+    return Layout(dp_rank * tp_size + tp_rank, dp_rank, dp_size, tp_rank, tp_size)
+
+
+@pytest.mark.parametrize(
+    "saved, layout, sharded, ranks",
+    [
+        ({"dp_size": 2}, _layout(1, 2), False, [0]),  # replicated: DP rank 0 holds it (old markers too)
+        (
+            {"dp_size": 2, "distributed_optimizer": False},
+            _layout(1, 2, 1, 2),
+            True,
+            [1],
+        ),  # its TP rank's DP 0
+        ({"dp_size": 2, "distributed_optimizer": True}, _layout(1, 2), True, [1]),  # unchanged: its own file
+        ({"dp_size": 2, "distributed_optimizer": True}, _layout(1, 2, 1, 2), True, [3]),
+        ({"dp_size": 2, "distributed_optimizer": True}, _layout(0, 1), False, [0, 1]),  # cut 2 shards to 1
+        ({"dp_size": 2, "distributed_optimizer": True}, _layout(2, 4, 1, 2), True, [1, 3]),  # 2 -> 4, TP 1
+        ({"dp_size": 1, "distributed_optimizer": True}, _layout(1, 2), True, [0]),  # dp 1 never shards
+    ],
+)
+def test_a_rank_reads_the_optimizer_files_that_hold_its_part(saved, layout, sharded, ranks):
+    assert optimizer_ranks(saved, layout, sharded) == ranks

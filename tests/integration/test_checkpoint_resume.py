@@ -113,9 +113,10 @@ def test_resume_past_a_damaged_checkpoint_on_fewer_workers(first_run, tmp_path):
 
 
 def test_killed_worker_restarts_from_the_latest_checkpoint(ray_cluster, demo_cache, tmp_path):
+    """With the optimizer sharded: the restarted ranks each read their own optimizer shard back."""
     ckpt, killed = str(tmp_path / "ckpt"), []
     when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
-    result = short_run(ckpt, tmp_path, 4)
+    result = short_run(ckpt, tmp_path, 4, "train.distributed_optimizer=true")
     assert killed, "the drill did not kill a worker"
     assert result.metric("checkpoint/resumed_from"), "the run did not restart from a checkpoint"
     assert train_steps(result) == [1, 2, 3, 4]  # one curve: redone steps appear once

@@ -54,6 +54,19 @@ _NO_RETENTION = 2**31 - 1  # rank stores keep everything; rank 0 prunes them aft
 _STEP_RE = re.compile(r"step_(\d{8,})/?$")
 
 
+def optimizer_ranks(meta: dict, layout, sharded: bool) -> list[int]:
+    """The saved ranks whose optimizer files a rank at `layout` (its optimizer `sharded` or not) reads from a
+    checkpoint whose run marker says `meta`: its own when the sharding is unchanged, else every saved shard of
+    its tensor-parallel rank (it then cuts out its part); DP rank 0's when the saved state was not sharded.
+    Rank = dp_rank * tp_size + tp_rank."""
+    tp, tp_rank = layout.tp_size, layout.tp_rank
+    if not meta.get("distributed_optimizer") or meta["dp_size"] == 1:
+        return [tp_rank]  # data-parallel rank 0 holds the whole state
+    if sharded and meta["dp_size"] == layout.dp_size:
+        return [layout.rank]
+    return [dp * tp + tp_rank for dp in range(meta["dp_size"])]
+
+
 def merge_positions(groups: list[tuple[int, dict[int, list]]]) -> tuple[int, dict[int, list]]:
     """The run's data position from each group's (open epoch, consumed ids by epoch): the oldest open epoch and,
     for it and every later epoch, the sorted union of the ids consumed in it (older epochs are finished)."""
@@ -201,7 +214,8 @@ class TrainingCheckpoints:
                 load_trainer_state(trainer, saved[name])
                 continue
             key = f"{name}_optimizer"
-            shards = [entries(rank, [key])[key] for rank in self._optimizer_ranks(trainer, meta)]
+            ranks = optimizer_ranks(meta, self.layout, trainer.optimizer.distributed)
+            shards = [entries(rank, [key])[key] for rank in ranks]
             load_trainer_state(trainer, saved[name], shards)
         run = entries(0, [RUN_ENTRY])[RUN_ENTRY]
         if self.layout.rank < meta["world_size"]:
@@ -215,16 +229,6 @@ class TrainingCheckpoints:
             root,
             float(run.get("keep_rate", 1.0)),
         )
-
-    def _optimizer_ranks(self, trainer, meta: dict) -> list[int]:
-        """The saved ranks whose optimizer files this rank reads: its own when the sharding is unchanged, else
-        every saved shard of its tensor-parallel rank (each rank then cuts out its part)."""
-        tp, tp_rank = self.layout.tp_size, self.layout.tp_rank
-        if not meta.get("distributed_optimizer") or meta["dp_size"] == 1:
-            return [tp_rank]  # data-parallel rank 0 holds the whole state
-        if trainer.optimizer.distributed and meta["dp_size"] == self.layout.dp_size:
-            return [self.layout.rank]
-        return [dp * tp + tp_rank for dp in range(meta["dp_size"])]
 
     def _drop_newer(self, step: int) -> None:
         """Remove this run's checkpoints after `step` (a dead attempt's, or damaged): the redone steps replace
