@@ -131,6 +131,7 @@ class GenRMConfig(_Section):
     parser: str = "yes_no"
     on_parse_error: ParseErrorPolicy = "zero"
     engine: EngineKind = "auto"
+    dtype: TrainDtype = "fp32"  # the judge's weights and compute (frozen: bf16 halves its memory on a GPU)
     max_new_tokens: int = 4
     max_prompt_tokens: int = 512  # the rendered judge prompt keeps its last tokens
     kv_cache_gb: float = 0.5

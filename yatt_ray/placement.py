@@ -22,9 +22,9 @@ train.distributed_optimizer (ZeRO-1). In bytes per parameter:
     bf16    18           6 + 12 / d
 
 The trainer term is that x P / tp, + w P / tp for a reference model, + that x P_critic / tp for a critic;
-rollout w P + KV cache (the engine generates in train.dtype); GenRM 2 J / accelerators_per_replica +
-KV cache. Full coexistence needs the largest phase; partial needs max(trainer, rollout) on the trainer
-slice and the GenRM term on the GenRM slice.
+rollout w P + KV cache (the engine generates in train.dtype); GenRM w_judge J / accelerators_per_replica
+(w_judge from reward.genrm.dtype) + KV cache. Full coexistence needs the largest phase; partial needs
+max(trainer, rollout) on the trainer slice and the GenRM term on the GenRM slice.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def _genrm_slice(config: Config, use_gpu: bool, cpus: int) -> GenRMSlice:
 
 
 def weight_bytes(dtype: str) -> int:
-    """Bytes of one weight in `train.dtype`."""
+    """Bytes of one weight in `dtype` ("fp32" | "bf16": `train.dtype`, `reward.genrm.dtype`)."""
     return 2 if dtype == "bf16" else 4
 
 
@@ -250,7 +250,8 @@ def memory_estimate_gb(plan: PlacementPlan, config: Config, sizes: ModelSizes) -
     out = {"trainer": trainer / GIB, "rollout": rollout / GIB}
     if plan.genrm is not None:
         g = config.reward.genrm
-        out["genrm"] = (2 * sizes.judge / g.accelerators_per_replica + g.kv_cache_gb * GIB) / GIB
+        judge = weight_bytes(g.dtype) * sizes.judge / g.accelerators_per_replica
+        out["genrm"] = (judge + g.kv_cache_gb * GIB) / GIB
     return out
 
 

@@ -18,8 +18,6 @@ import torch.distributed as dist
 from yatt_ray.config import Config
 from yatt_ray.metrics.hub import HubLink
 
-ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # train.dtype -> the rollout engine's dtype
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -109,7 +107,9 @@ def _register_perf_model(config: Config, threads: int) -> None:
     from yatt_ray.train.hf_convert import LlamaShape
 
     shape = LlamaShape.from_hf_dir(config.model.path)
-    dtype = torch.bfloat16 if config.train.dtype == "bf16" else torch.float32
+    from yatt_ray.train.trainer_base import DTYPES
+
+    dtype = DTYPES[config.train.dtype]
     register_perf_model(worker_perf_model(shape, threads, config.cluster.peak_flops, dtype))
 
 
@@ -118,7 +118,7 @@ def _add_controller_roles(roles: Roles, config: Config, dp_rank: int, eval_shard
 
     from yatt_ray.reward import resolve_reward_fn
     from yatt_ray.reward.scorer import RewardScorer
-    from yatt_ray.rollout import make_engine
+    from yatt_ray.rollout import ENGINE_DTYPES, make_engine
 
     roles.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     roles.reward_fn = resolve_reward_fn(config.reward.function)

@@ -118,8 +118,10 @@ def test_memory_check_names_the_phase_and_the_fix():
     est = memory_estimate_gb(plan, config, sizes)
     # fp32 (the default): trainer 16 + reference 4 bytes per parameter, over tp 8
     assert est["trainer"] == pytest.approx(20 * 7e9 / 8 / 2**30) and est["genrm"] == pytest.approx(
-        14e9 / 2**30 + 0.5
+        28e9 / 2**30 + 0.5  # the judge in fp32 (reward.genrm.dtype's default)
     )
+    bf16_judge = cfg(*GENRM, "placement.gpu_memory_gb=80", "reward.genrm.dtype=bf16")
+    assert memory_estimate_gb(plan, bf16_judge, sizes)["genrm"] == pytest.approx(14e9 / 2**30 + 0.5)
 
 
 def test_param_count_of_the_tiny_model(tmp_path):

@@ -47,9 +47,7 @@ from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
 log = logging.getLogger("yatt_ray.checkpoint")
 
 RUN_FORMAT = "yatt_ray.run/2"  # /2: run state as JSON (run.json), tensors read with weights_only=True
-RUN_ENTRY = (
-    "run.json"  # step, data position (epoch, consumed ids by epoch), history, KL coefficient, keep rate
-)
+RUN_ENTRY = "run.json"  # step, data position (epoch, consumed ids by epoch), history, KL, keep rate
 _NO_RETENTION = 2**31 - 1  # rank stores keep everything; rank 0 prunes them after the run's retention
 _STEP_RE = re.compile(r"step_(\d{8,})/?$")
 

@@ -158,7 +158,7 @@ class GenRMJudge:
         from transformers import AutoTokenizer
 
         from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator
-        from yatt_ray.rollout import SamplingSpec, make_engine
+        from yatt_ray.rollout import ENGINE_DTYPES, SamplingSpec, make_engine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.settings = settings
@@ -170,6 +170,7 @@ class GenRMJudge:
             settings.engine,
             settings.path,
             seed=0,
+            dtype=ENGINE_DTYPES[settings.dtype],
             kv_cache_gb=settings.kv_cache_gb,
             max_model_len=self.max_prompt_tokens + settings.max_new_tokens,
             engine_kwargs=tp_kwargs(settings.accelerators_per_replica),

@@ -24,6 +24,7 @@ from yatt_ray.errors import ConfigError, UnknownNameError
 from yatt_ray.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 __all__ = [
+    "ENGINE_DTYPES",
     "ENGINE_KINDS",
     "Completion",
     "RolloutEngine",
@@ -34,6 +35,10 @@ __all__ = [
 ]
 
 ENGINE_KINDS = typing.get_args(EngineKind)  # one source: the config type
+ENGINE_DTYPES = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}  # train.dtype / reward.genrm.dtype -> an engine's dtype
 logger = logging.getLogger(__name__)
 
 

@@ -202,10 +202,8 @@ class MegatronTrainerBase:
             for p in tp_partial_grad_parameters(self.model):
                 dist.all_reduce(main_grad(p), group=self.tp_group)
         self.model.finish_grad_sync()
-        side = []
-        for (
-            p
-        ) in self._side_params():  # summed over DP ranks like the model's (the loss is globally normalised)
+        side = []  # summed over DP ranks like the model's (the loss is globally normalised)
+        for p in self._side_params():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             p.grad = grad
             if dist.get_world_size(self.dp_group) > 1:
