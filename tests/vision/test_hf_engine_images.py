@@ -2,6 +2,8 @@
 transformers' own `generate`, log-probs are the raw teacher-forced ones, and weight sync covers the vision
 weights (checkpoint names) and the language model (checkpoint or Llama names)."""
 
+import math
+
 import pytest
 import torch
 
@@ -178,3 +180,22 @@ def test_the_image_token_is_never_sampled(engine, pixels):
     tokens = [t for c in out[0] for t in c.token_ids]
     assert len(tokens) == 512 and len(set(tokens)) > 64  # the sampling is spread out
     assert IMAGE_TOKEN_ID not in tokens
+
+
+def test_a_bf16_engine_generates_with_images_close_to_fp32(engine, vlm_dir, pixels):
+    """train.dtype=bf16 makes the engine bf16: pixels are cast to it, and its log-probs of the fp32 engine's
+    greedy tokens are within bf16's precision of them."""
+    bf16 = HFEngine(vlm_dir, seed=0, dtype="bfloat16")
+    try:
+        images = _images(pixels, 0)
+        want = engine.generate(PROMPTS, GREEDY, images=images)
+        got = bf16.generate(PROMPTS, GREEDY, images=images)
+        for (a,), (b,) in zip(want, got):
+            assert b.token_ids and all(math.isfinite(x) for x in b.logprobs)
+            n = next(
+                (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids)
+            )
+            diffs = [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])]
+            assert max(diffs, default=0.0) < 0.1  # the common prefix of the two greedy paths
+    finally:
+        bf16.close()
