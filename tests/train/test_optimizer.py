@@ -155,6 +155,9 @@ def test_missing_shard_is_a_clear_error(dp2_runs, tiny_model_dir, single_process
     resumed = _policy(tiny_model_dir)
     with pytest.raises(ValueError, match="a rank's checkpoint file is missing"):
         load_trainer_state(resumed, ranks[0]["saved"]["policy"], [ranks[0]["saved"]["optimizer"]])
+    twice = [ranks[0]["saved"]["optimizer"]] * 2  # one shard given twice still leaves the other half out
+    with pytest.raises(ValueError, match="a rank's checkpoint file is missing"):
+        load_trainer_state(resumed, ranks[0]["saved"]["policy"], twice)
 
 
 def test_an_adamw_checkpoint_of_before_pieces_loads(tiny_model_dir, single_process_world):

@@ -183,9 +183,11 @@ class MainParamOptimizer:
                 pc.main.copy_(fields["main"])
             elif pc.copies:
                 pc.main.copy_(pc.param.data.view(-1)[pc.start : pc.end])
-            steps = {e["step"] for e in entries if "step" in e}
-            if fields["exp_avg"] is None or fields["exp_avg_sq"] is None or len(steps) != 1:
+            if fields["exp_avg"] is None or fields["exp_avg_sq"] is None:
                 continue  # saved before the first step: no moments yet
+            steps = {e["step"] for e in entries if "step" in e}
+            if len(steps) != 1:
+                raise ValueError(f"the saved shards of {pc.name} were written at different steps {steps}")
             self.adamw.state[pc.main] = {
                 "step": torch.tensor(steps.pop(), dtype=torch.float32),
                 "exp_avg": fields["exp_avg"],
@@ -209,17 +211,18 @@ def main_grad(param: torch.nn.Parameter) -> torch.Tensor:
 
 def _assemble(piece: Piece, entries: list[dict], key: str) -> torch.Tensor | None:
     """`piece`'s range of `key` cut from the saved `entries` of its parameter; None when no entry has `key`;
-    ValueError when those that have it leave part of the range uncovered."""
+    ValueError when those that have it leave part of the range uncovered (an overlap counts once)."""
     having = [e for e in entries if key in e]
     if not having:
         return None
     out = torch.empty(piece.end - piece.start, dtype=torch.float32, device=piece.main.device)
-    covered = 0
+    seen = torch.zeros(piece.end - piece.start, dtype=torch.bool)
     for e in having:
         a, b = max(e["start"], piece.start), min(e["end"], piece.end)
         if a < b:
             out[a - piece.start : b - piece.start] = e[key][a - e["start"] : b - e["start"]].to(out)
-            covered += b - a
+            seen[a - piece.start : b - piece.start] = True
+    covered = int(seen.sum())
     if covered != piece.end - piece.start:
         raise ValueError(
             f"the saved optimizer state covers {covered} of the {piece.end - piece.start} values of "

@@ -364,15 +364,12 @@ def write_hf_dir(
             continue  # saving over the source directory: keep its files
         if src.is_file() and not src.name.endswith(".safetensors") and "safetensors.index" not in src.name:
             shutil.copy2(src, out / src.name)
+    config = json.loads((out / "config.json").read_text())
     dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
-    config_update = dict(config_update or {})
-    if len(dtypes) == 1:
-        config_update.setdefault("dtype", str(dtypes.pop()).removeprefix("torch."))
-        if "torch_dtype" in json.loads((out / "config.json").read_text()):
-            config_update.setdefault("torch_dtype", config_update["dtype"])
-    if config_update:
-        config = json.loads((out / "config.json").read_text())
-        config.update(config_update)
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if len(dtypes) == 1:  # "torch_dtype": the older key, kept in step where the config has it
+        name = str(dtypes.pop()).removeprefix("torch.")
+        config.update({key: name for key in ("dtype", "torch_dtype") if key == "dtype" or key in config})
+    config.update(config_update or {})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
