@@ -17,7 +17,8 @@ for ReMax's baseline); log-probs: `old_logp`, `ref_logp`, `values`, `tis_weights
 
 Image prompts (a vision-language policy) add, from the rollout on: `pixel_values` [N, I, 3, H, W] float32, row
 i's images (its prompt's, repeated for each of the prompt's samples; I the most images of any row, unused
-slots zero) and `image_count` [N] long, how many of the I are row i's. The images' tokens are already in
+slots zero; I = 0 when no row has one) and `image_count` [N] long, how many of the I are row i's (0 for a row
+without images: a text row, whose pixels the trainer never encodes). The images' tokens are already in
 `input_ids` (each image expanded to its tokens), so the trainer swaps their embeddings for image features.
 """
 
@@ -184,18 +185,22 @@ def pad_images(batch: RolloutBatch, slots: int) -> RolloutBatch:
 
 
 def stack_images(pixels: list[Tensor], repeat: int) -> tuple[Tensor, Tensor]:
-    """Per prompt pixels [I_g, 3, H, W] (G prompts) -> (`pixel_values` [G * repeat, I, 3, H, W], each prompt's
-    repeated for its `repeat` samples, I = max I_g, unused slots zero; `image_count` [G * repeat] long)."""
+    """Per prompt pixels [I_g, C, H, W] (G prompts; I_g = 0 for a prompt without images) -> (`pixel_values`
+    [G * repeat, I, C, H, W], each prompt's repeated for its `repeat` samples, I = max I_g (0 when no prompt
+    has an image), unused slots zero; `image_count` [G * repeat] long). Every prompt's pixels have the same
+    (C, H, W), its images' or, without images, the model's (`prompts.PromptEncoder` gives it), so batches of
+    any mix of prompts join (`concat`, the balance exchange)."""
     if not pixels:
         raise ValueError("stack_images: no prompts")
-    shapes = {tuple(p.shape[1:]) for p in pixels if p.shape[0]}
+    shapes = {tuple(p.shape[1:]) for p in pixels}
     if len(shapes) > 1:
-        raise ValueError(f"stack_images: the prompts' images differ in shape {sorted(shapes)}; the image "
-                         "processor must give every image one size")  # fmt: skip
-    trail = shapes.pop() if shapes else (3, 1, 1)
-    slots = max(p.shape[0] for p in pixels)
-    out = torch.zeros((len(pixels), slots, *trail), dtype=torch.float32)
+        raise ValueError(
+            f"stack_images: the prompts' pixels differ in shape [I, C, H, W] {sorted(shapes)}; the image "
+            "processor must give every image the model's size, and a prompt without images [0, C, H, W] of "
+            "that size (as prompts.PromptEncoder does)"
+        )
+    out = torch.zeros((len(pixels), max(len(p) for p in pixels), *shapes.pop()), dtype=torch.float32)
     for g, p in enumerate(pixels):
-        out[g, : p.shape[0]] = p
-    count = torch.tensor([p.shape[0] for p in pixels], dtype=torch.long)
+        out[g, : len(p)] = p
+    count = torch.tensor([len(p) for p in pixels], dtype=torch.long)
     return out.repeat_interleave(repeat, dim=0), count.repeat_interleave(repeat)

@@ -6,7 +6,13 @@ get there: Ray replaces a loopback address by the machine's routable one
 (`ray._private.services.resolve_ip_for_localhost`) except where `ray_constants.ENABLE_RAY_CLUSTER` is off, as
 on macOS and Windows, where a node stays on loopback. A local cluster is started with that flag off for the
 duration of `ray.init`, so the node IP stays 127.0.0.1; the dashboard, its agents and the runtime-env agent
-then bind 127.0.0.1 too (tests/test_cluster_local.py checks the listening sockets).
+then bind 127.0.0.1 too.
+
+While it trains, the run's own sockets stay there as well: every process of the local job gets
+`loopback_env()` (gloo and NCCL on the loopback interface, vLLM's host 127.0.0.1), and the training workers'
+rendezvous store, which torch would bind on every interface, listens on 127.0.0.1
+(`yatt_ray.rendezvous.WorldConfig`). tests/integration/test_cluster.py checks the listening sockets of an
+idle local cluster and of a `fit()` run.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ def connect(config: Config) -> None:
 
     A local one even when a `ray start` cluster runs on this machine (join that one with
     `cluster.address=auto`). With `output.verbose=false` the job's processes get the quiet-console settings
-    (`yatt_ray.console.job_env_vars`; a variable already set in this environment wins)."""
+    (`yatt_ray.console.job_env_vars`), and those of a local cluster `loopback_env()`; a variable already set
+    in this environment wins."""
     import ray
 
     from yatt_ray.console import job_env_vars, ray_init_options
@@ -35,8 +42,10 @@ def connect(config: Config) -> None:
         resolve_cpus_per_worker(config, local=False)
         return
     verbose, address = config.output.verbose, config.cluster.address or os.environ.get("RAY_ADDRESS")
-    quiet = job_env_vars(verbose, local=not address)
-    options: dict = {"runtime_env": {"env_vars": quiet}} if quiet else {}
+    env = job_env_vars(verbose, local=not address)
+    if not address:
+        env.update((k, v) for k, v in loopback_env().items() if k not in os.environ)
+    options: dict = {"runtime_env": {"env_vars": env}} if env else {}
     if address:
         ray.init(address=address, log_to_driver=True, **options, **ray_init_options(verbose, local=False))
         resolve_cpus_per_worker(config, local=False)
@@ -58,6 +67,25 @@ def connect(config: Config) -> None:
             **options,
             **ray_init_options(verbose, local=True),
         )
+
+
+def loopback_env() -> dict[str, str]:
+    """Environment variables that keep a job's own sockets on loopback: gloo's and NCCL's (their devices and
+    bootstrap listen on the address of this interface, `loopback_interface()`) and vLLM's host address
+    (`VLLM_HOST_IP`, where vLLM's processes would meet). For a cluster on 127.0.0.1 only; the rendezvous store
+    torch starts for the training workers needs `yatt_ray.rendezvous.WorldConfig` besides."""
+    interface = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface, "VLLM_HOST_IP": LOOPBACK}
+
+
+def loopback_interface() -> str:
+    """The network interface that holds 127.0.0.1 ("lo" on Linux, "lo0" on macOS); "lo" when none is found."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == LOOPBACK for a in addresses):
+            return name
+    return "lo"
 
 
 def local_cores() -> int:

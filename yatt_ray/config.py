@@ -301,8 +301,11 @@ class CheckpointConfig(_Section):
 
     `dir` is a local path or any fsspec URL ("" = `<run output folder>/checkpoints`). A save is due every
     `every_steps` steps or every `every_minutes` minutes (null turns a rule off), on SIGTERM to the driver or a
-    Ray Train preemption notice (`on_sigterm`, `on_preemption`), and after the last step (`at_end`). `resume`:
-    "auto" (the newest valid checkpoint in `dir`, if any), "never", or a checkpoint folder / URL to start from.
+    Ray Train preemption notice (`on_sigterm`, `on_preemption`), and after the last step (`at_end`). `resume`
+    decides the first start only: "auto" (the newest valid checkpoint in `dir`, if any), "never" (a fresh start;
+    refused when `dir` already holds checkpoints), or a checkpoint folder / URL of an earlier run to start from.
+    Once `dir` holds a valid checkpoint, every start (a restart after a worker failure, the same command run
+    again) continues from its newest one.
     `enable: false` turns checkpoints off entirely: no test write to `dir`, no saves (not on SIGTERM either: the
     run still stops cleanly), no resume lookup, and a worker failure restarts the run from step 1. The final
     policy (`Result.checkpoint_path`) is still written.

@@ -41,7 +41,7 @@ from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.prompts import ImageLayout, PromptEncoder
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
-from yatt_ray.roles import Layout, Roles, build_roles
+from yatt_ray.roles import Layout, Roles, build_roles, start_engine
 from yatt_ray.rollout.base import SamplingSpec
 from yatt_ray.step import compute_advantages, is_on_policy, policy_loss_fn, reduce_metrics, value_loss_fn
 from yatt_ray.train.micro_batches import mini_batch_rows
@@ -55,10 +55,21 @@ def train_loop_per_worker(loop_config: dict) -> None:
     from yatt_ray.run_control import run_guarded
 
     def train() -> None:
+        import ray.train
+
+        from yatt_ray.metrics.hub import HubLink
+
         config = Config.from_dict(loop_config["config"]).freeze()  # the driver's resolved config, read-only
-        layout, roles = build_roles(config, loop_config)
+        hub = HubLink(loop_config["hub"], config.cluster.timeout_s)
+        first = ray.train.get_context().get_world_rank() == 0
+        mark = hub.mark if first else (lambda stage: None)  # start-up stages (metrics.startup): rank 0's
+        mark("worker_started")
+        layout, roles = build_roles(config, loop_config, hub, mark)
         controller = GroupController(config, layout, roles)
-        controller.open_checkpoints(loop_config)
+        controller.open_checkpoints(loop_config)  # the prompt streams start reading here ...
+        mark("data_opened")
+        controller.attach_engine(start_engine(config, layout.dp_rank) if layout.is_controller else None)
+        mark("engine_started")  # ... while the engine loads
         controller.run()
 
     run_guarded(loop_config.get("control"), train)
@@ -104,17 +115,12 @@ class GroupController:
         self.step_rows: list = []  # the prompt rows this step consumed (trained on, or dropped)
         self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
         self.resumed: Resumed | None = None
+        self.engine: Any = None  # the rollout engine (controller ranks), attached later (`attach_engine`)
         if layout.is_controller:
-            engine, scorer, tokenizer, reward_fn = (
-                roles.engine,
-                roles.scorer,
-                roles.tokenizer,
-                roles.reward_fn,
-            )
-            assert (
-                engine is not None and scorer is not None and tokenizer is not None and reward_fn is not None
-            )
-            self.engine, self.scorer, self.tokenizer, self.reward_fn = engine, scorer, tokenizer, reward_fn
+            scorer, tokenizer, reward_fn = roles.scorer, roles.tokenizer, roles.reward_fn
+            assert scorer is not None and tokenizer is not None and reward_fn is not None
+            self.engine = roles.engine
+            self.scorer, self.tokenizer, self.reward_fn = scorer, tokenizer, reward_fn
             self.eval_shard = roles.eval_shard
             self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
             images = ImageLayout.from_model_dir(config.model.path)  # None for a text policy
@@ -137,22 +143,35 @@ class GroupController:
             feed=None,
             kl_coef=lambda: self.kl_ctl.value,
             keep_rate=lambda: self.keep_rate,
+            engine=self.engine if self.layout.is_controller else None,  # or set by `attach_engine`
         )
-        self.resumed = self.checkpoints.resume(self.state)
+        self.attempt = self.checkpoints.attempt_number()
+        self.resumed = self.checkpoints.resume(self.state, restart=self.attempt > 1)
         if self.resumed is not None:
             self.kl_ctl.value = self.resumed.kl_coef
-            self.keep_rate = self.resumed.keep_rate  # dynamic sampling draws as it did before the stop
-            self.sync_weights()  # the rollout engine generates with the restored policy
+            if self.config.algo.dynamic_sampling != "off":  # draws as it did before the stop
+                self.keep_rate = self.resumed.keep_rate
         epoch, position = (self.resumed.epoch, self.resumed.position) if self.resumed else (0, {})
         dataset = loop_config["train_dataset"]
-        splits = share_splits(open_splits(dataset, self.layout.dp_size, position) if rank0 else None)
-        self.attempt = self.checkpoints.attempt_number()
+        splits = share_splits(open_splits(dataset, self.layout.dp_size, epoch, position) if rank0 else None)
         if self.layout.is_controller:
             dp = self.layout.dp_rank
             rest = [(e, rest_splits[dp]) for e, rest_splits in splits["rest"]]
             carried = position if dp == 0 else {}  # the checkpoint's union, kept by one group
             self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
             self.state.feed = self.prompt_feed
+
+    def attach_engine(self, engine) -> None:
+        """The controller's rollout engine (None on other ranks), started once the prompt streams opened; a
+        resumed run's policy weights and sampling stream go into it. Collective over the tensor-parallel group
+        (the weight sync)."""
+        if engine is not None:
+            self.engine = self.state.engine = engine
+        if self.resumed is None:
+            return
+        if self.engine is not None and self.resumed.engine_rng is not None:
+            self.engine.set_rng_state(self.resumed.engine_rng)  # samples as the uninterrupted run would
+        self.sync_weights()  # the rollout engine generates with the restored policy
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -163,9 +182,13 @@ class GroupController:
         first_eval = self.evaluate() if self.resumed is None else {}
         if first_eval:
             self._push("eval", {"step": 0, **first_eval})
+            self._mark("first_eval_done")
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.train.steps + 1):
             last = self.step(step)
+            if step == start + 1 and self.prompt_feed is not None:
+                self._mark("first_batch", self.prompt_feed.first_batch_at)
+                self._mark("first_step_done")
             self._push("train", {**last, **self.checkpoints.metrics()})
             if self.layout.is_controller:
                 rows = self.step_rows
@@ -320,6 +343,7 @@ class GroupController:
                 with self.recorder.span("aborted", busy=False):
                     feed.requeue(aborted)
             counts["aborted"] += len(aborted)
+        self.scorer.discard([s for g in spare for s in g.samples])  # streamed to the GenRM, never scored
         back = [g.row for g in spare]
         if back:  # finished, but not needed this step: back to the queue too
             with self.recorder.span("requeue", busy=False):
@@ -578,7 +602,8 @@ class GroupController:
 
     # ---- evaluation and reporting -------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy and mean reward on the eval split (summed over groups); {} without eval data."""
+        """Greedy accuracy and mean reward on the eval split (summed over groups; each group scores its share of
+        the rows, `EvalRows`); {} without eval data."""
         if not self.config.data.eval_files:
             return {}
         sums = torch.zeros(3, dtype=torch.float64)  # reward sum, correct count, sample count
@@ -592,7 +617,7 @@ class GroupController:
                 stop_token_ids=self.stop_ids,
             )
             self.engine.wake()
-            for batch in self.eval_shard.iter_batches(batch_size=256, batch_format="numpy"):
+            for batch in self.eval_shard.batches():  # this group's share, read here (data/eval_rows.py)
                 rows = [{c: v[i] for c, v in batch.items()} for i in range(len(batch["prompt"]))]
                 rows = [r for r in rows if not r.get(IMAGE_ERROR)]  # images that did not load: not scored
                 encoded = [self.prompts.encode(r) for r in rows]
@@ -611,6 +636,11 @@ class GroupController:
         dist.all_reduce(sums)
         count = max(sums[2].item(), 1.0)
         return {"eval/reward_mean": sums[0].item() / count, "eval/accuracy": sums[1].item() / count}
+
+    def _mark(self, stage: str, at: float | None = None) -> None:
+        """Rank 0: a start-up stage reached (now, or at `at`), for the driver's start-up table."""
+        if self.layout.rank == 0:
+            self.hub.mark(stage, at)
 
     def _push(self, kind: RowKind, row: dict[str, float]) -> None:
         if self.layout.rank == 0:

@@ -8,7 +8,6 @@ final checkpoint handle and errors.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 import threading
@@ -47,6 +46,10 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
 
     The driver resolves a copy of the config once (the demo's inputs, absolute paths, the judge, the checkpoint
     folder, the rollout engine kind), validates it again and freezes it before any worker starts."""
+    from yatt_ray.metrics.startup import Startup
+
+    startup = Startup()  # where the seconds before the first step go (startup.json, the closing report)
+    startup.mark("fit_called")
     config = _resolve_config(config, overrides)
     from yatt_ray.console import quiet_driver
 
@@ -55,7 +58,9 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     files = _check_inputs(config)
     output_dir = _output_dir(config)
     print(_check_checkpoints(config, output_dir), flush=True)
+    startup.mark("inputs_checked")
     connect(config)
+    startup.mark("ray_started")
     import ray
 
     from yatt_ray.placement import plan_placement
@@ -66,7 +71,7 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     validate(config)  # the resolved config (paths, demo inputs, engine, checkpoint dir) is valid too ...
     config.freeze()  # ... and from here on read-only: the workers and GenRM replicas get exactly this
     print(plan.describe() + f"\n  rollout engine: {config.rollout.engine}", flush=True)
-    return _run(config, plan, files, real_gpus, output_dir)
+    return _run(config, plan, files, real_gpus, output_dir, startup)
 
 
 def _resolve_config(config: Config | dict | str | Path | None, overrides: list[str] | None) -> Config:
@@ -229,7 +234,9 @@ def _check_checkpoints(config: Config, output_dir: Path) -> str:
     return check_checkpoints(config, timeout_s=min(60.0, config.cluster.timeout_s))
 
 
-def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, output_dir: Path) -> Result:
+def _run(
+    config: Config, plan, files: dict[str, list[str]], real_gpus: bool, output_dir: Path, startup
+) -> Result:
     """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     import ray
 
@@ -240,7 +247,7 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, out
 
     hub, control = start_hub(), start_control()
     trainer = _trainer(config, plan, files, real_gpus, output_dir, {"hub": hub, "control": control})
-    progress = DriverProgress(hub, config, output_dir)
+    progress = DriverProgress(hub, config, output_dir, startup)
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
     genrm_first = plan.genrm is not None and not (plan.mode == "full" and plan.uses_gpus)
@@ -248,6 +255,7 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, out
     try:
         if genrm_first:  # partial coexistence (or no GPUs): the judges are up before the first rollout
             deploy_genrm(config, plan, hub)
+        startup.mark("trainer_launched")
         thread.start()
         if plan.genrm is not None and not genrm_first:
             _deploy_beside_trainers(config, plan, hub)
@@ -286,15 +294,16 @@ def _run(config: Config, plan, files: dict[str, list[str]], real_gpus: bool, out
 def _trainer(
     config: Config, plan, files: dict[str, list[str]], real_gpus: bool, output_dir: Path, actors: dict
 ):
-    """The TorchTrainer: one worker per plan slot, the datasets (split by the workers) and the run's actors
-    (`hub` for metrics, `control` for stop requests) in the train-loop config."""
+    """The TorchTrainer: one worker per plan slot, the training dataset (split by the workers), the eval file
+    list and the run's actors (`hub` for metrics, `control` for stop requests) in the train-loop config."""
     import ray.data
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
+    from yatt_ray.rendezvous import WorldConfig
     from yatt_ray.train.hf_convert import is_vision_model
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
@@ -303,22 +312,18 @@ def _trainer(
         from yatt_ray.data.images import ClipPixels
 
         pixels = ClipPixels(config.model.path)
-    eval_shards = None
-    if "eval" in files:
-        eval_data = dataclasses.replace(config.data, shuffle_seed=None)
-        eval_shards = build_dataset(eval_data, files["eval"], pixels).streaming_split(
-            plan.dp_size, equal=True
-        )
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
             "train_dataset": build_dataset(config.data, files["train"], pixels),  # split in data/feed.py
-            "eval_shards": eval_shards,
+            # the eval files (checked above): each controller reads its share itself (data/eval_rows.py)
+            "eval_files": files.get("eval"),
             **actors,
         },
-        # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors
-        torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if real_gpus else "gloo"),
+        # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors; the
+        # rendezvous store on 127.0.0.1 when the cluster is there (rendezvous.py)
+        torch_config=WorldConfig(backend="cpu:gloo,cuda:nccl" if real_gpus else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=plan.num_workers,
             use_gpu=plan.uses_gpus,

@@ -24,15 +24,17 @@ from typing import Any
 from yatt_ray.config import Config
 from yatt_ray.metrics import timeline
 from yatt_ray.metrics.history import MetricRow, OneCurve
+from yatt_ray.metrics.startup import Startup, report_line, write_startup
 
 REPORT_KEYS = ("reward_mean", "accuracy", "eval/reward_mean", "eval/accuracy")
 
 
 class DriverProgress:
-    def __init__(self, hub, config: Config, output_dir: Path) -> None:
+    def __init__(self, hub, config: Config, output_dir: Path, startup: Startup | None = None) -> None:
         from yatt_ray.metrics.sinks import MultiSink, build_sinks
 
         self.hub, self.config, self.output_dir = hub, config, output_dir
+        self.startup = startup  # the driver's start-up marks; the workers' come from the hub at `close`
         self.curve = OneCurve()  # one curve as rows arrive: a restart's redone steps replace their old rows
         self.spans: list[timeline.Span] = []
         self.idle: dict[int, dict[str, float]] = {}  # step -> accelerator -> idle fraction, settled steps
@@ -98,7 +100,19 @@ class DriverProgress:
             train_rows = [r for r in self.history if "reward_mean" in r]
             plot_history(train_rows, self.output_dir / "reward.png", keys=("reward_mean", "accuracy"))
         self._write_timeline()
+        self._write_startup()
         print(self.report(), flush=True)
+
+    def _write_startup(self) -> None:
+        """Merge the workers' start-up marks into the driver's and write startup.json."""
+        if self.startup is None:
+            return
+        if self.hub is not None:
+            import ray
+
+            for stage, at in ray.get(self.hub.marks.remote(), timeout=self.config.cluster.timeout_s).items():
+                self.startup.mark(stage, at)
+        write_startup(self.output_dir / "startup.json", self.startup.marks)
 
     def _write_timeline(self) -> None:
         if not self.spans:
@@ -128,6 +142,8 @@ class DriverProgress:
                 first, last = sum(values[:k]) / k, sum(values[-k:]) / k
                 lines.append(f"  {key:<18} first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
         lines += perf_report_lines([r for r in self.history if "reward_mean" in r])
+        if self.startup is not None and report_line(self.startup.marks):
+            lines.append(report_line(self.startup.marks))
         idle = idle_report_line(self.idle, self.spans)
         if idle:
             lines.append(idle)

@@ -5,7 +5,11 @@ generation prompt (`yatt_ray.data.images.prompt_text`); `system_prompt` (data.sy
 without a system message, and turns a string prompt into [system, user] messages rendered the same way. For a vision-language policy (`ImageLayout` from its
 config.json) each `<image>` placeholder becomes `tokens_per_image` copies of the image token, as the model's
 processor does, so the rollout engine and the trainer see the same token positions; the row's pixels
-(`images.PIXELS`, [I, 3, H, W] from the Ray Data task) travel beside the ids.
+(`images.PIXELS`, [I, 3, H, W] from the Ray Data task) travel beside the ids. A row without images (I = 0:
+its cell null or empty, its prompt without `<image>`) gets pixels [0, C, H, W] in the model's image shape, so
+every consumer (engine, `batch.stack_images`, the balance exchange, the trainer) reads "no images" as I = 0
+and needs no case of its own (the Ray Data task cannot know the shape without an image: it gives
+[0, 3, 0, 0]).
 
 Prompts longer than `data.max_prompt_tokens` keep their last tokens (counted in `prompts_clipped`), unless
 that would cut an image's tokens: that is a DataError naming the row and the length it needs.
@@ -23,15 +27,23 @@ import torch
 from yatt_ray.data.images import PIXELS, prompt_text
 from yatt_ray.errors import DataError
 from yatt_ray.train.hf_convert import is_vision_model
-from yatt_ray.train.vision import expand_image_tokens, image_token_id, llava_config, tokens_per_image
+from yatt_ray.train.vision import (
+    expand_image_tokens,
+    image_shape,
+    image_token_id,
+    llava_config,
+    tokens_per_image,
+)
 
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """How a LLaVA policy reads an image: the id of its image token and how many positions one image takes."""
+    """How a LLaVA policy reads an image: the id of its image token, how many positions one image takes, and
+    the (channels, height, width) of the pixel_values its vision tower takes."""
 
     token_id: int
     tokens_per_image: int
+    image_shape: tuple[int, int, int]
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ImageLayout | None:
@@ -40,13 +52,14 @@ class ImageLayout:
         if not is_vision_model(path):
             return None
         config = llava_config(path)
-        return cls(image_token_id(config), tokens_per_image(config))
+        return cls(image_token_id(config), tokens_per_image(config), image_shape(config))
 
 
 @dataclass(frozen=True)
 class Encoded:
     """One prompt: `text` (what the reward sees), token `ids` (images expanded, clipped), whether it was
-    clipped, and its images' pixels [I, 3, H, W] float32 (None for a text policy)."""
+    clipped, and its images' pixels [I, C, H, W] float32 (I = 0 for a row without images; None for a text
+    policy)."""
 
     text: str
     ids: list[int]
@@ -74,6 +87,10 @@ class PromptEncoder:
             pixels = torch.from_numpy(
                 np.array(row[PIXELS], dtype=np.float32)
             )  # a copy: Ray hands read-only arrays
+            if (
+                len(pixels) == 0
+            ):  # no images: [0, C, H, W] in the model's shape (the data task gives [0, 3, 0, 0])
+                pixels = torch.zeros((0, *self.layout.image_shape), dtype=torch.float32)
             ids = expand_image_tokens(ids, self.layout.token_id, self.layout.tokens_per_image, len(pixels))
         clipped = len(ids) > self.max_tokens
         if clipped:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from yatt_ray.config import Config
 from yatt_ray.metrics.hub import HubLink
+
+if TYPE_CHECKING:
+    from yatt_ray.data.eval_rows import EvalRows
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ def current_layout() -> Layout:
 
 @dataclass
 class Roles:
-    """A worker's roles. `engine`, `scorer`, `tokenizer` and `reward_fn` exist on controller ranks only."""
+    """A worker's roles. `engine`, `scorer`, `tokenizer` and `reward_fn` exist on controller ranks only; the
+    engine is attached after the prompt streams open (`GroupController.attach_engine`)."""
 
     policy: Any  # MegatronPolicy: log_probs, train_step, iter_hf_buckets, offload / onload, save_hf
     critic: Any | None  # MegatronCritic (PPO) or None
@@ -58,12 +62,14 @@ class Roles:
     scorer: Any | None = None  # RewardScorer
     tokenizer: Any | None = None  # the policy's Hugging Face tokenizer
     reward_fn: Callable | None = None  # the rule function (evaluation scores with it)
-    eval_shard: Any | None = None  # this group's Ray Data stream of eval prompts, or None
+    eval_shard: EvalRows | None = None  # this group's share of the eval prompts (data/eval_rows.py), or None
 
 
-def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
+def build_roles(
+    config: Config, loop_config: dict, hub: HubLink, mark: Callable[[str], None] = lambda stage: None
+) -> tuple[Layout, Roles]:
     """The real roles of this worker (collective: the policy's construction creates Megatron's TP / DP groups
-    on Ray Train's process group)."""
+    on Ray Train's process group). `mark(stage)` records start-up stages (`yatt_ray.metrics.startup`)."""
     from yatt_ray.console import quiet_worker
 
     quiet_worker(config.output.verbose)  # before Megatron and vLLM are imported
@@ -73,6 +79,7 @@ def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
     torch.set_num_threads(threads)
     _register_perf_model(config, threads)
     apply_cpu_shims()
+    mark("peak_measured")
     t = config.train
     common: dict[str, Any] = {
         "tp_size": t.tp_size,
@@ -92,10 +99,11 @@ def build_roles(config: Config, loop_config: dict) -> tuple[Layout, Roles]:
     critic = None
     if config.critic.enable:  # from critic.path, or the policy's trunk with a fresh scalar head
         critic = MegatronCritic(config.critic.path or config.model.path, lr=config.critic.lr, **common)
+    mark("policy_built")
     layout = current_layout()
-    roles = Roles(policy, critic, HubLink(loop_config["hub"], config.cluster.timeout_s))
-    if layout.is_controller:
-        _add_controller_roles(roles, config, layout.dp_rank, loop_config.get("eval_shards"))
+    roles = Roles(policy, critic, hub)
+    if layout.is_controller:  # the engine comes later: `start_engine`
+        _add_controller_roles(roles, config, layout, loop_config.get("eval_files"))
     return layout, roles
 
 
@@ -113,17 +121,35 @@ def _register_perf_model(config: Config, threads: int) -> None:
     register_perf_model(worker_perf_model(shape, threads, config.cluster.peak_flops, dtype))
 
 
-def _add_controller_roles(roles: Roles, config: Config, dp_rank: int, eval_shards) -> None:
+def _add_controller_roles(roles: Roles, config: Config, layout: Layout, eval_files: list[str] | None) -> None:
     from transformers import AutoTokenizer
 
     from yatt_ray.reward import resolve_reward_fn
     from yatt_ray.reward.scorer import RewardScorer
-    from yatt_ray.rollout import ENGINE_DTYPES, make_engine
 
     roles.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     roles.reward_fn = resolve_reward_fn(config.reward.function)
     roles.scorer = RewardScorer(config.reward, connect_timeout_s=config.cluster.timeout_s)
-    roles.engine = make_engine(
+    roles.eval_shard = eval_rows(config, layout, eval_files) if eval_files else None
+
+
+def eval_rows(config: Config, layout: Layout, eval_files: list[str]) -> EvalRows:
+    """This group's share of the eval files (`EvalRows`), read in the controller's process; a vision policy's
+    images are decoded and processed there too, batch by batch, with the model's CLIP image processor."""
+    from yatt_ray.data.eval_rows import EvalRows
+    from yatt_ray.data.images import ClipPixels
+    from yatt_ray.train.hf_convert import is_vision_model
+
+    pixels = ClipPixels(config.model.path) if is_vision_model(config.model.path) else None
+    return EvalRows(config.data, eval_files, layout.dp_rank, layout.dp_size, pixels)
+
+
+def start_engine(config: Config, dp_rank: int):
+    """The controller's rollout engine (a `RolloutEngine`), in the trainer's dtype. Started after the prompt
+    streams opened, so Ray Data's first read runs while the engine loads (`yatt_ray.metrics.startup`)."""
+    from yatt_ray.rollout import ENGINE_DTYPES, make_engine
+
+    return make_engine(
         config.rollout.engine,  # resolved to "vllm" or "hf" by the driver
         config.model.path,
         seed=config.train.seed + dp_rank,
@@ -131,4 +157,3 @@ def _add_controller_roles(roles: Roles, config: Config, dp_rank: int, eval_shard
         kv_cache_gb=config.rollout.kv_cache_gb,
         max_model_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
     )
-    roles.eval_shard = eval_shards[dp_rank] if eval_shards else None

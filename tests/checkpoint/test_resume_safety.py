@@ -15,9 +15,10 @@ import torch
 from yatt_ray.checkpoint import AsyncCheckpointWriter, CheckpointError, CheckpointStore, load
 from yatt_ray.checkpoint.driver import check_checkpoints
 from yatt_ray.checkpoint.schedule import PreemptionFlag
-from yatt_ray.checkpoint.training import RUN_ENTRY, RUN_FORMAT, rank_url
+from yatt_ray.checkpoint.store import step_dir_name
+from yatt_ray.checkpoint.training import RUN_ENTRY, RUN_FORMAT, choose_resume, merge_positions, rank_url
 from yatt_ray.config import Config
-from yatt_ray.data.feed import PromptFeed
+from yatt_ray.data.feed import MarkConsumed, PromptFeed, resumed_epochs
 from yatt_ray.errors import DataError, WorkerError
 
 
@@ -90,15 +91,80 @@ def config_for(ckpt: str, resume: str = "auto", **storage) -> Config:
     return config
 
 
-def write_run_checkpoint(root: str, step: int, tp_size: int = 1) -> None:
+def write_run_checkpoint(root: str, step: int, tp_size: int = 1, train_vision: str = "none") -> None:
     """A committed one-rank run checkpoint as the workers write it."""
     rank0 = CheckpointStore(rank_url(root, 0), keep_last=100)
     AsyncCheckpointWriter(rank0).save_sync(
         step, {"rng": {"torch": torch.get_rng_state()}, RUN_ENTRY: {"epoch": 0, "consumed": [1]}}
     )
     run = CheckpointStore(root, keep_last=100)
-    meta = {"format": RUN_FORMAT, "world_size": 1, "dp_size": 1, "tp_size": tp_size}
+    meta = {
+        "format": RUN_FORMAT,
+        "world_size": 1,
+        "dp_size": 1,
+        "tp_size": tp_size,
+        "train_vision": train_vision,
+    }
     run.commit(run.begin(step), meta)
+
+
+def damage(root: str, step: int) -> None:
+    rng = Path(rank_url(root, 0), step_dir_name(step), "rng.pt")
+    rng.write_bytes(rng.read_bytes()[:-8] + b"damaged!")
+
+
+def test_the_runs_own_checkpoints_win_over_checkpoint_resume(tmp_path):
+    """A continued run (checkpoint.resume=<another run's folder>) takes that folder only while its own
+    checkpoint.dir holds no checkpoint; from its first commit on, every start (a restart after a killed worker,
+    the same command again) continues from its own newest valid one: it never rolls back to the other folder."""
+    earlier, own = str(tmp_path / "earlier"), str(tmp_path / "own")
+    for step in (2, 4):
+        write_run_checkpoint(earlier, step)
+    cfg = config_for(own, earlier).checkpoint
+    assert choose_resume(cfg)[:2] == (earlier, 4)
+    assert choose_resume(cfg, restart=True)[:2] == (earlier, 4)  # died before its first commit
+    for step in (6, 8):
+        write_run_checkpoint(own, step)
+    assert choose_resume(cfg)[:2] == (own, 8)
+    assert choose_resume(cfg, restart=True)[:2] == (own, 8)
+    assert choose_resume(config_for(own, f"{earlier}/step_00000002").checkpoint, restart=True)[:2] == (own, 8)
+    damage(own, 8)
+    assert choose_resume(cfg, restart=True)[:2] == (own, 6)  # the newest valid one of its own
+    damage(own, 6)
+    with pytest.raises(CheckpointError, match="every one of steps \\[6, 8\\] is damaged"):
+        choose_resume(cfg, restart=True)  # never back to the other folder silently
+
+
+def test_resume_never_refuses_a_used_folder_at_the_first_start_only(tmp_path):
+    own = str(tmp_path / "own")
+    cfg = config_for(own, "never").checkpoint
+    assert choose_resume(cfg) is None and choose_resume(cfg, restart=True) is None
+    write_run_checkpoint(own, 2)
+    with pytest.raises(
+        CheckpointError, match="already holds checkpoints \\[2\\] but checkpoint.resume=never"
+    ):
+        choose_resume(cfg)
+    assert choose_resume(cfg, restart=True)[:2] == (own, 2)  # a restart continues the run
+
+
+def test_a_checkpoint_resumes_only_under_its_train_vision(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    write_run_checkpoint(ckpt, 2, train_vision="projector")
+    config = config_for(ckpt)
+    with pytest.raises(
+        CheckpointError, match="model.train_vision=projector, this run has model.train_vision=none"
+    ):
+        check_checkpoints(config)
+    config.model.train_vision = "projector"
+    assert "resuming from step 2" in check_checkpoints(config)
+
+
+def test_resumed_epochs_include_open_epochs_that_consumed_nothing():
+    assert resumed_epochs(3, {}) == []
+    assert resumed_epochs(0, {0: [1, 2]}) == [(0, [1, 2])]
+    # epoch 0 still open (its rows were all in queues: over-sampling requeued them), epoch 1 untouched,
+    # epoch 2 consumed from: all three are read again, 0 and 1 whole
+    assert resumed_epochs(0, {2: [5]}) == [(0, []), (1, []), (2, [5])]
 
 
 def test_driver_check_finds_the_checkpoint_to_resume(tmp_path):
@@ -166,3 +232,37 @@ def test_worker_errors_keep_their_type_through_ray_trains_wrappers():
     err = _worker_error(wrapped)
     assert type(err) is DataError and "bad row 51" in str(err)
     assert type(_worker_error(WorkerGroupError("x", {0: RuntimeError("boom")}))) is WorkerError
+
+
+class MarkedShard:
+    """A streaming-split stand-in over a tiny epoch: the same ids every epoch, `consumed` ones marked as
+    `open_splits` marks a resumed epoch's."""
+
+    def __init__(self, ids: list[int], consumed: list | None = None) -> None:
+        self.ids, self.mark = ids, MarkConsumed(consumed if consumed is not None else [])
+
+    def iter_batches(self, batch_size: int, batch_format: str, drop_last: bool = False):
+        import numpy as np
+
+        for i in range(0, len(self.ids), batch_size):
+            yield self.mark({"id": np.asarray(self.ids[i : i + batch_size])})
+
+
+def test_an_epoch_that_consumed_nothing_before_the_save_is_read_after_the_resume():
+    """A tiny epoch (3 prompts) and over-sampling: one draw starts 7 prompts over epochs 0-2, the last one
+    finishes and the rest are aborted back to the queue. The checkpoint holds ids of epoch 2 only, with epoch 0
+    still open; the resumed feed reads epochs 0 and 1 whole, then the rest of 2: every prompt once an epoch."""
+    data = [0, 1, 2]
+    feed = PromptFeed(MarkedShard(data), [], batch_size=2)
+    feed.pull(7)
+    started = feed.pop(7)
+    feed.consume(started[-1:])  # finished first
+    feed.requeue(started[:-1])  # aborted: not consumed
+    floor, position = merge_positions([(feed.open_epoch(), feed.position(0))])
+    assert (floor, position) == (0, {2: [0]})
+    rest = [(e, MarkedShard(data, ids)) for e, ids in resumed_epochs(floor, position)]
+    resumed = PromptFeed(MarkedShard(data), rest, batch_size=2, epoch=floor, carried=position)
+    while resumed.epoch < 3:
+        next(resumed)
+    for epoch in (0, 1, 2):
+        assert sorted(resumed.consumed[epoch]) == data, epoch

@@ -52,8 +52,8 @@ def train_steps(result) -> list[int]:
     return [int(r["step"]) for r in result.history if "reward_mean" in r]
 
 
-def assert_each_prompt_once(ckpt_dir: str, steps: int) -> None:
-    audit = prompt_audit(ckpt_dir)
+def assert_each_prompt_once(ckpt_dir: str, steps: int, earlier: tuple[str, ...] = ()) -> None:
+    audit = prompt_audit(ckpt_dir, earlier=earlier)
     assert audit.steps == steps and audit.prompts == steps * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
 
@@ -113,14 +113,71 @@ def test_resume_past_a_damaged_checkpoint_on_fewer_workers(first_run, tmp_path):
 
 
 def test_killed_worker_restarts_from_the_latest_checkpoint(ray_cluster, demo_cache, tmp_path):
-    """With the optimizer sharded: the restarted ranks each read their own optimizer shard back."""
+    """With the optimizer sharded: the restarted ranks each read their own optimizer shard back. With
+    checkpoint.resume=never: that refuses a used folder at the first start only; a restart continues the run
+    from its own checkpoint (it used to fail with "already holds checkpoints")."""
     ckpt, killed = str(tmp_path / "ckpt"), []
     when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
-    result = short_run(ckpt, tmp_path, 4, "train.distributed_optimizer=true")
+    result = short_run(ckpt, tmp_path, 4, "train.distributed_optimizer=true", "checkpoint.resume=never")
     assert killed, "the drill did not kill a worker"
     assert result.metric("checkpoint/resumed_from"), "the run did not restart from a checkpoint"
     assert train_steps(result) == [1, 2, 3, 4]  # one curve: redone steps appear once
     assert_each_prompt_once(ckpt, 4)
+
+
+def test_a_continued_run_that_loses_a_worker_resumes_from_its_own_newest_commit(first_run, tmp_path):
+    """The README's continuation (checkpoint.resume=<an earlier run's folder>) loses a worker after two commits
+    of its own: it restarts from its own newest commit, not from the earlier folder again (which used to
+    delete the commits it had written since), keeps every commit, and trains each prompt of the epoch once
+    together with the earlier run."""
+    earlier = first_run[0]
+    base = int(newest_run_state(earlier)["step"])
+    ckpt, seen = str(tmp_path / "ckpt"), []
+    when(
+        lambda: len(committed_steps(ckpt)) >= 2,
+        lambda: seen.append((kill_training_worker(), committed_steps(ckpt))),
+    )
+    steps = base + 8
+    result = short_run(ckpt, tmp_path, steps, f"checkpoint.resume={earlier}", "checkpoint.keep_last=10")
+    assert seen, "the drill did not kill a worker"
+    resumed = result.metric("checkpoint/resumed_from")
+    assert len(resumed) == 2 and resumed[0] == base, resumed  # the continuation, then the restart
+    assert resumed[1] >= max(seen[0][1]), (resumed, seen)  # its own newest commit, not the earlier folder
+    assert set(seen[0][1]) <= set(committed_steps(ckpt)) and committed_steps(ckpt)[-1] == steps
+    assert train_steps(result) == list(range(1, steps + 1))
+    assert_each_prompt_once(ckpt, steps, earlier=(earlier,))
+
+
+def test_a_resumed_run_samples_what_the_uninterrupted_run_sampled(ray_cluster, demo_cache, tmp_path):
+    """The HF engine at temperature 1 on one worker, every prompt the same (so the data order cannot matter):
+    resumed from step 2, step 3 samples, scores and trains exactly as the uninterrupted run's step 3 did (the
+    engine's sampling stream is in the checkpoint)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from yatt_ray.tasks.demo import prepare_demo
+
+    table = pq.read_table(prepare_demo(Config()).data.train_files[0]).slice(0, 1).to_pylist()[0]
+    same = tmp_path / "same.parquet"
+    pq.write_table(pa.Table.from_pylist([{**table, "id": i} for i in range(40)]), same)
+    options = (
+        f"data.train_files=[{same}]",
+        "rollout.engine=hf",
+        "train.dp_size=1",
+        "rollout.temperature=1.0",
+    )
+    uninterrupted = short_run(str(tmp_path / "a"), tmp_path, 3, *options)
+    resumed = short_run(
+        str(tmp_path / "b"), tmp_path, 3, f"checkpoint.resume={tmp_path / 'a'}/step_00000002", *options
+    )
+    assert resumed.metric("checkpoint/resumed_from") == [2.0]
+
+    def step_3(result) -> dict:
+        row = next(r for r in result.history if "reward_mean" in r and r["step"] == 3)
+        keys = ("reward_mean", "response_length", "accuracy", "truncated_fraction", "pg_loss", "entropy")
+        return {k: row[k] for k in keys}
+
+    assert step_3(resumed) == pytest.approx(step_3(uninterrupted), abs=1e-6)
 
 
 def test_sigterm_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache, tmp_path):
@@ -234,3 +291,43 @@ def test_dynamic_and_over_sampling_through_a_killed_worker_consume_each_prompt_o
     )
     run = newest_run_state(ckpt)  # dynamic sampling's keep-rate estimate survives the restart
     assert run is not None and 0.1 <= run["keep_rate"] < 1.0, run["keep_rate"]
+
+
+def test_two_verl_files_that_index_alike_resume_each_prompt_once(ray_cluster, demo_cache, tmp_path):
+    """verl's GSM8K + MATH layout: gsm8k/train.parquet and math/train.parquet (one name in two folders), each
+    indexing its 12 rows from 0 in extra_info.index. 2 steps, then a new run resumes to 4 (one worker, 8
+    prompts a step: epoch 0 is steps 1-3): each of the 24 prompts of epoch 0 is trained exactly once. Keyed by
+    index alone, the resume marked the other file's rows consumed (lost) and a step holding one index twice
+    was not recorded (repeated)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from yatt_ray.tasks.demo import prepare_demo
+
+    demo = pq.read_table(prepare_demo(Config()).data.train_files[0]).slice(0, 24).to_pylist()
+    files = []
+    for n, name in enumerate(("gsm8k", "math")):
+        rows = [
+            {
+                "data_source": r["data_source"],
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "reward_model": {"style": "rule", "ground_truth": r["ground_truth"]},
+                "extra_info": {"split": "train", "index": i},
+            }
+            for i, r in enumerate(demo[12 * n : 12 * (n + 1)])
+        ]
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / name / "train.parquet")
+        files.append(str(tmp_path / name / "train.parquet"))
+    ckpt = str(tmp_path / "ckpt")
+    verl = (
+        f"data.train_files=[{files[0]},{files[1]}]", "data.answer_key=reward_model.ground_truth",
+        "data.id_key=extra_info.index", "train.dp_size=1",
+    )  # fmt: skip
+    assert train_steps(short_run(ckpt, tmp_path, 2, *verl)) == [1, 2]
+    result = short_run(ckpt, tmp_path, 4, *verl)
+    assert result.metric("checkpoint/resumed_from") == [2.0] and train_steps(result) == [1, 2, 3, 4]
+    assert_each_prompt_once(ckpt, 4)
+    kept, _ = surviving_records(prompt_records(ckpt))
+    epoch0 = sorted(i for r in kept for i, e in zip(r["ids"], r["epochs"]) if e == 0)
+    assert epoch0 == sorted(f"{name}/train.parquet:{i}" for name in ("gsm8k", "math") for i in range(12))

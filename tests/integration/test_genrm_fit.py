@@ -68,6 +68,7 @@ def assert_learns(result) -> None:
     steps = [r for r in result.history if "reward_mean" in r]
     assert len(steps) == STEPS
     assert sum(r["genrm/parse_failures"] for r in steps) == 0 and sum(r["genrm/retries"] for r in steps) == 0
+    assert all(r["genrm/held"] == 0 for r in steps), "verdicts kept past their step"
 
 
 def test_partial_coexistence_learns_from_the_judge(partial):

@@ -1,4 +1,5 @@
-"""The GenRM Serve deployment on the shared cluster: verdicts, batching, a replica killed mid-flight, HTTP.
+"""The GenRM Serve deployment on the shared cluster: verdicts, batching, a replica killed mid-flight, HTTP,
+and samples streamed but not needed: discarded, so the scorer holds nothing past its step.
 
 The judge is the demo's tiny model (taught to answer Y when the response equals the reference). Two CPU
 replicas serve it through a handle, as the controllers reach it during training.
@@ -6,6 +7,7 @@ replicas serve it through a handle, as the controllers reach it during training.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
@@ -15,8 +17,10 @@ import urllib.request
 import pytest
 
 import yatt_ray
+from yatt_ray.errors import RewardError
 from yatt_ray.reward.client import GenRMClient, GenRMError
 from yatt_ray.reward.genrm import APP_NAME, JudgeRequest
+from yatt_ray.reward.scorer import RewardScorer, Sample
 
 pytestmark = pytest.mark.cluster
 
@@ -69,6 +73,28 @@ def requests(count: int, seed: int, prefix: str) -> list[JudgeRequest]:
     return out
 
 
+def replica_stats() -> dict[str, dict]:
+    """worker -> its counters, from the replicas Serve routes 30 calls to (usually both)."""
+    from ray import serve
+
+    handle = serve.get_app_handle(APP_NAME)
+    return {s["worker"]: s for s in (handle.stats.remote().result() for _ in range(30))}
+
+
+def both_replicas() -> dict[str, dict]:
+    """The counters of both replicas (stats calls until Serve has routed one to each)."""
+    from ray import serve
+
+    handle = serve.get_app_handle(APP_NAME)
+    seen: dict[str, dict] = {}
+    for _ in range(300):
+        stats = handle.stats.remote().result()
+        seen[stats["worker"]] = stats
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"300 stats calls reached only {sorted(seen)}")
+
+
 def test_verdicts_follow_the_reference(two_replicas):
     client = GenRMClient(timeout_s=60, max_retries=2, connect_timeout_s=60)
     batch = requests(200, seed=0, prefix="v")
@@ -82,24 +108,124 @@ def test_verdicts_follow_the_reference(two_replicas):
 def test_requests_are_batched_on_the_replicas(two_replicas):
     """Each replica runs several requests per engine call (Serve's router may favour one replica on a busy
     machine, so the count is over the replicas that answer)."""
-    from ray import serve
-
-    handle = serve.get_app_handle(APP_NAME)
-
-    def stats() -> dict[str, dict]:
-        return {s["worker"]: s for s in (handle.stats.remote().result() for _ in range(30))}
-
-    before = stats()
+    before = replica_stats()
     client = GenRMClient(timeout_s=60, max_retries=0, connect_timeout_s=60)
     client.submit(requests(256, seed=1, prefix="b"))
     assert len(client.collect()) == 256
-    after = stats()
+    after = replica_stats()
     seen = before.keys() & after.keys()
     judged = sum(after[w]["requests"] - before[w]["requests"] for w in seen)
     batches = sum(after[w]["batches"] - before[w]["batches"] for w in seen)
     assert 0 < judged <= 256 and batches <= judged / 4, f"{judged} requests in {batches} batches"
     if len(seen) == 2:
         assert judged == 256
+
+
+def test_collect_reads_only_the_keys_asked_and_discard_cancels_the_rest(two_replicas):
+    client = GenRMClient(timeout_s=60, max_retries=0, connect_timeout_s=60)
+    batch = requests(64, seed=4, prefix="c")
+    client.submit(batch)
+    wanted = [r.key for r in batch[::2]]
+    verdicts = client.collect(wanted)
+    assert list(verdicts) == wanted and all(v.key == k for k, v in verdicts.items())
+    assert sorted(client.pending) == sorted(r.key for r in batch[1::2]), "the others are still judged"
+    assert client.discard([r.key for r in batch]) == 32, "collected keys are not pending any more"
+    assert not client.pending
+    with pytest.raises(GenRMError, match=r"not pending \['c0:1'\] \(1 in all\)"):
+        client.collect(["c0:1"])  # already read: a sample is scored once
+    client.submit(batch[:2])  # a key that left the pending set may be sent again (a new attempt)
+    with pytest.raises(GenRMError, match=r"more than once \['c0:1'\]"):
+        client.collect(["c0:1", "c0:1"])
+    assert len(client.collect()) == 2 and not client.pending
+
+
+def test_discarded_requests_are_mostly_never_judged(two_replicas):
+    """Cancelling frees the replicas: of a backlog of discarded requests (about 30 s of judging here), only
+    those in batches already running are judged; the rest are dropped where they wait (Serve's router, the
+    replica's batch queue). The replicas then go on serving."""
+    before = both_replicas()
+    client = GenRMClient(timeout_s=60, max_retries=0, connect_timeout_s=60)
+    batch = requests(2000, seed=5, prefix="d")
+    client.submit(batch)
+    assert client.discard(r.key for r in batch) == 2000 and not client.pending
+    time.sleep(2)  # the batches already running finish
+    after = both_replicas()  # (behind whatever the replicas still judge)
+    judged = sum(after[w]["requests"] - before[w]["requests"] for w in before)
+    assert judged < 1000, f"{judged} of 2000 discarded requests were judged anyway"
+    fresh = requests(32, seed=6, prefix="a")
+    client.submit(fresh)
+    assert sorted(client.collect()) == sorted(r.key for r in fresh)
+
+
+def as_samples(batch: list[JudgeRequest]) -> list[Sample]:
+    return [Sample(r.key, r.prompt, r.response, r.ground_truth, "arithmetic") for r in batch]
+
+
+def test_the_scorer_holds_nothing_after_each_of_many_steps(two_replicas):
+    """Partial coexistence's pattern, step after step: every group's samples stream to the judge as they
+    finish, the step scores the groups it takes and discards the spare ones (they go back to the queue and
+    are drawn again under new keys), then scores a greedy baseline. Whatever the run's length, nothing is
+    held after a step, and each taken sample gets its verdict once. A failed scoring leaves nothing either."""
+    config = judge_config()
+    scorer = RewardScorer(config.reward, connect_timeout_s=60)
+    groups, per_group, taken = 12, 4, 8
+    agree = scored = 0
+    for step in range(25):
+        batch = requests(groups * per_group, seed=100 + step, prefix=f"{step}/0/1/")
+        streamed = as_samples(batch)
+        for g in range(groups):  # streamed as each group finishes
+            scorer.submit(streamed[g * per_group : (g + 1) * per_group])
+        keep, spare = streamed[: taken * per_group], streamed[taken * per_group :]
+        rewards = scorer.scores(keep)
+        scorer.discard(spare)  # finished past the need: back to the queue, never scored
+        greedy = as_samples(requests(taken, seed=200 + step, prefix=f"{step}/0/g"))
+        scorer.submit(greedy)
+        scorer.scores(greedy)
+        stats = scorer.take_stats()
+        assert scorer.held() == 0 and stats["genrm/held"] == 0.0, f"step {step}: {scorer.held()} held"
+        assert stats["genrm/discarded"] == len(spare) and stats["genrm/retries"] == 0.0
+        agree += sum(r == float(s.key.endswith(":1")) for r, s in zip(rewards, keep))
+        scored += len(keep)
+    assert agree >= 0.9 * scored, f"the judge agreed with the reference on {agree} of {scored}"
+    with pytest.raises(GenRMError, match="not pending"):
+        scorer.scores(keep[:1])  # scored already
+    with pytest.raises(GenRMError, match="not pending"):
+        scorer.scores(spare[:1])  # discarded
+    assert scorer.held() == 0
+
+    # mix mode, and a rule function that raises on an empty response (reward.on_error=raise): the step fails,
+    # and its samples' requests are not left behind
+    mix = dataclasses.replace(
+        config.reward, mode="mix", function="tests.reward.rule_fns:fails_on_empty", on_error="raise"
+    )
+    scorer = RewardScorer(mix, connect_timeout_s=60)
+    bad = as_samples(requests(8, seed=7, prefix="e"))
+    bad[3] = dataclasses.replace(bad[3], response="")
+    scorer.submit(bad)
+    with pytest.raises(RewardError, match="raised IndexError"):
+        scorer.scores(bad)
+    assert scorer.held() == 0
+
+
+def test_the_controller_discards_the_streamed_groups_it_does_not_take(two_replicas, single_process_world):
+    """`GroupController.step()` (the fakes of tests/unit/test_controller.py, this judge) in partial
+    coexistence with over-sampling: step 2 waits for the two prompts aborted in step 1 (rollout.max_aborts=1),
+    so six groups stream to the judge and four are taken; the two spare ones go back to the queue, and their
+    four samples are discarded, not kept for the rest of the run."""
+    from tests.unit.test_controller import controller
+
+    ctrl, *_ = controller(
+        **{"reward.mode": "genrm", "placement.mode": "partial", "rollout.over_sample": 1.5,
+           "rollout.max_aborts": 1}
+    )  # fmt: skip
+    assert ctrl.stream_to_genrm
+    discarded = []
+    for step in range(1, 5):
+        metrics = ctrl.step(step)
+        assert ctrl.scorer.held() == 0 and metrics["genrm/held"] == 0, f"step {step}: {ctrl.scorer.held()}"
+        assert metrics["genrm/retries"] == 0
+        discarded.append(metrics["genrm/discarded"])
+    assert discarded[:2] == [0, 4], discarded
 
 
 def replica_names() -> set[str]:

@@ -212,3 +212,24 @@ def test_finish_after_waits_for_the_prompts_it_must_keep(engine, ref, old_weight
     assert outs[longest] is not None and len(outs[longest][0].token_ids) == lengths[longest]
     with pytest.raises(ConfigError, match="wait_for"):
         engine.generate(ref.tail_prompts, spec, wait_for=frozenset({0}))
+
+
+def test_a_restored_sampling_stream_samples_what_the_uninterrupted_one_does(model_dirs, ref):
+    """What a checkpoint keeps of the engine (`rng_state`): a fresh engine given it samples, at temperature 1,
+    exactly what the first engine samples next; without it, something else."""
+    spec = SamplingSpec(n=4, max_new_tokens=6, temperature=1.0)  # unseeded: the engine's own stream
+    first = HFEngine(model_dirs[0], seed=0, device="cpu")
+    resumed = HFEngine(model_dirs[0], seed=0, device="cpu")
+    try:
+        first.generate(ref.prompts, spec)  # step k
+        saved = first.rng_state()
+        uninterrupted = ref.token_ids(first.generate(ref.prompts, spec))  # step k + 1
+        fresh = ref.token_ids(
+            resumed.generate(ref.prompts, spec)
+        )  # a restart without the stream: step k again
+        assert fresh != uninterrupted
+        resumed.set_rng_state(saved)
+        assert ref.token_ids(resumed.generate(ref.prompts, spec)) == uninterrupted
+    finally:
+        first.close()
+        resumed.close()

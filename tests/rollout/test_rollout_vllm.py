@@ -159,6 +159,15 @@ def test_one_engine_per_process(engine, model_dirs):
         VLLMEngine(model_dirs[0])
 
 
+def test_the_drivers_head_size_list_is_the_installed_vllms(engine):
+    """The driver checks head sizes without importing vLLM (`CPU_HEAD_SIZES`); it must say what vLLM says."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from yatt_ray.rollout.vllm_engine import CPU_HEAD_SIZES
+
+    assert list(CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
+
+
 def test_unsupported_head_size_is_a_clear_error(tmp_path):
     spec = TinyModelSpec(hidden_size=64, intermediate_size=192, num_heads=4, num_kv_heads=2)  # head size 16
     head16 = build_tiny_model(tmp_path / "head16", spec)

@@ -10,7 +10,7 @@ import pytest
 from yatt_ray import DataError
 from yatt_ray.config import DataConfig
 from yatt_ray.data import check_sources
-from yatt_ray.data.sources import first_row
+from yatt_ray.data.sources import check_position, first_row, id_prefixes, qualified_id
 
 
 def write(path, rows):
@@ -100,10 +100,13 @@ def test_malformed_jsonl_line_names_the_file_and_line(tmp_path):
         check_sources(DataConfig(train_files=[path]))
 
 
-def test_ids_repeated_across_files_warn(tmp_path, caplog, monkeypatch):
+def test_ids_may_repeat_across_files_but_not_within_one(tmp_path, caplog, monkeypatch):
+    """A run keys each prompt on (file, id): files that index alike are fine, an id repeated within one file is
+    refused before any work, naming the file, the ids, their count and the fix."""
     a = write(tmp_path / "a.parquet", [{"id": i, "prompt": "p", "ground_truth": "g"} for i in range(3)])
-    b = write(tmp_path / "b.parquet", [{"id": i, "prompt": "p", "ground_truth": "g"} for i in range(2, 5)])
+    b = write(tmp_path / "b.parquet", [{"id": i, "prompt": "p", "ground_truth": "g"} for i in range(3)])
     c = write_jsonl(tmp_path / "c.jsonl", [json.dumps({"id": 4, "prompt": "p", "ground_truth": "g"})])
+    d = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"id": 4, "prompt": "q", "ground_truth": "h"})])
     read_columns = []
     original = pq.read_table
 
@@ -113,26 +116,98 @@ def test_ids_repeated_across_files_warn(tmp_path, caplog, monkeypatch):
 
     monkeypatch.setattr(pq, "read_table", spy)
     with caplog.at_level(logging.WARNING, logger="yatt_ray.data.sources"):
-        check_sources(DataConfig(train_files=[a, b]))
-    assert read_columns == [["id"], ["id"]]
-    assert "1 row(s) repeat an id of the column 'id' (data.id_key)" in caplog.text
-    assert "resumed run may re-train or skip" in caplog.text and "give every row a unique id" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="yatt_ray.data.sources"):
-        d = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"id": 4, "prompt": "q", "ground_truth": "h"})])
-        check_sources(DataConfig(train_files=[c, d]))
-    assert "1 row(s) repeat an id" in caplog.text and "(e.g. 4)" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="yatt_ray.data.sources"):
-        check_sources(DataConfig(train_files=[a]))
-    assert caplog.text == ""
+        assert check_sources(DataConfig(train_files=[a, b])) == [a, b]
+        assert check_sources(DataConfig(train_files=[c, d])) == [c, d]
+    assert read_columns == [["id"], ["id"]] and caplog.text == ""
+    twice = write(
+        tmp_path / "e.parquet", [{"id": i % 4, "prompt": "p", "ground_truth": "g"} for i in range(7)]
+    )
+    with pytest.raises(DataError) as info:
+        check_sources(DataConfig(train_files=[a, twice]))
+    message = str(info.value)
+    assert f"data file {twice!r} repeats ids of the column 'id' (data.id_key): 3 row(s)" in message
+    assert "(e.g. 0, 1, 2)" in message and "Give each row of the file a unique id in data.id_key" in message
+    lines = [json.dumps({"id": "x", "prompt": "p", "ground_truth": "g"})] * 2
+    with pytest.raises(DataError, match=r"f.jsonl' repeats ids .*: 1 row\(s\) .*\(e.g. 'x'\)"):
+        check_sources(DataConfig(train_files=[write_jsonl(tmp_path / "f.jsonl", lines)]))
+    assert check_sources(DataConfig(eval_files=[twice]), key="data.eval_files") == [twice]  # no position
+
+
+def test_a_file_listed_twice_is_refused(tmp_path):
+    a = write(tmp_path / "a.parquet", [{"id": 0, "prompt": "p", "ground_truth": "g"}])
+    with pytest.raises(DataError, match="names the data file .*a.parquet' twice .*list each file once"):
+        check_sources(DataConfig(train_files=[str(tmp_path / "*.parquet"), a]))
 
 
 def test_rows_without_ids_warn(tmp_path, caplog):
     path = write(tmp_path / "t.parquet", [{"prompt": "p", "ground_truth": "g"}])
     with caplog.at_level(logging.WARNING, logger="yatt_ray.data.sources"):
         check_sources(DataConfig(train_files=[path]))
-    assert "without the id column 'id' (data.id_key)" in caplog.text and "get id -1" in caplog.text
+    assert "1 row(s) in 1 file(s)" in caplog.text and "no id in the column 'id' (data.id_key" in caplog.text
+    caplog.clear()
+    nulls = write(
+        tmp_path / "n.parquet", [{"id": i, "prompt": "p", "ground_truth": "g"} for i in (0, None, None, -1)]
+    )
+    lines = [
+        json.dumps({"prompt": "p", "ground_truth": "g"}),
+        json.dumps({"id": 1, "prompt": "p", "ground_truth": "g"}),
+    ]
+    partial = write_jsonl(tmp_path / "p.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="yatt_ray.data.sources"):
+        check_sources(DataConfig(train_files=[nulls]))  # nulls and -1 are no ids, not one id repeated
+        check_sources(DataConfig(train_files=[partial]))
+    assert f"3 row(s) in 1 file(s) ({nulls} (3))" in caplog.text and f"({partial} (1))" in caplog.text
+    assert "resumed run trains them again" in caplog.text
+
+
+def test_id_prefixes_name_each_file_below_the_common_folder():
+    """The name that qualifies a file's ids depends on the list alone and survives moving the data folder."""
+    verl = ["/home/u/data/gsm8k/train.parquet", "/home/u/data/math/train.parquet"]
+    assert list(id_prefixes(verl).values()) == ["gsm8k/train.parquet", "math/train.parquet"]
+    moved = ["s3://bucket/rl/gsm8k/train.parquet", "s3://bucket/rl/math/train.parquet"]
+    assert list(id_prefixes(moved).values()) == list(id_prefixes(verl).values())
+    parts = ["/d/part-0.jsonl", "/d/sub/part-1.jsonl"]
+    assert id_prefixes(parts) == {
+        "/d/part-0.jsonl": "part-0.jsonl",
+        "/d/sub/part-1.jsonl": "sub/part-1.jsonl",
+    }
+    assert id_prefixes(verl[:1]) == {}  # one file: ids stay as they are
+    assert qualified_id("math/train.parquet", 17) == "math/train.parquet:17"
+    assert qualified_id("m.jsonl", 17.0) == "m.jsonl:17" and qualified_id("m.jsonl", "a7") == "m.jsonl:a7"
+
+
+def test_a_checkpoint_keyed_the_other_way_is_refused(tmp_path, caplog):
+    """A position of plain ids (one file, or several keyed by an earlier version) does not resume a run over
+    several files, nor one of "<file>:<id>" keys a run over one file; keys of a file left out are ignored."""
+    for name in ("gsm8k", "math"):
+        (tmp_path / name).mkdir()
+        write(
+            tmp_path / name / "train.parquet",
+            [{"id": i, "prompt": "p", "ground_truth": "g"} for i in range(3)],
+        )
+    both = DataConfig(train_files=[str(tmp_path / "*" / "train.parquet")])
+    one = DataConfig(train_files=[str(tmp_path / "gsm8k" / "train.parquet")])
+    where = "checkpoint step 4 in /ckpt"
+    with pytest.raises(DataError) as info:
+        check_position({0: [0, 1, 2]}, both, where)
+    message = str(info.value)
+    assert message.startswith(
+        f"{where}: its data position keys prompts as 0, 1, 2, but this run reads 2 files"
+    )
+    assert (
+        "'gsm8k/train.parquet:<id>'" in message
+        and "Resume with the data.train_files that run used" in message
+    )
+    keyed = {0: ["gsm8k/train.parquet:0", "math/train.parquet:0"], 1: ["math/train.parquet:2"]}
+    with pytest.raises(DataError, match="keys prompts by file and id .* but this run reads one file"):
+        check_position(keyed, one, where)
+    with caplog.at_level(logging.WARNING, logger="yatt_ray.data.sources"):
+        check_position(keyed, both, where)  # the same files: fine
+        check_position({0: [0, 5]}, one, where)  # one file, plain ids: as before
+        check_position({}, both, where)
+        assert caplog.text == ""
+        check_position({0: ["gsm8k/train.parquet:1", "aime/train.parquet:1"]}, both, where)
+    assert "1 of the 2 prompt ids of its data position name files this run does not read" in caplog.text
 
 
 def test_too_few_rows_for_one_step(tmp_path):

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from yatt_ray.checkpoint.training import merge_positions, run_position
+from yatt_ray.config import DataConfig
 from yatt_ray.data.feed import FeedRow, MarkConsumed, PromptFeed, columns
+from yatt_ray.data.sources import canonical_columns
 from yatt_ray.draws import groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.errors import DataError
 
@@ -99,7 +101,64 @@ def test_one_prompt_of_two_epochs_in_one_step_is_recorded_in_both():
 def test_missing_ids_leave_the_position_unrecorded(caplog):
     feed = PromptFeed(Shard([-1, -1, -1, -1]), [], batch_size=4)
     next(feed)
-    assert feed.consumed == {} and "missing" in caplog.text
+    assert feed.consumed == {} and "4 prompt(s) of this step have no id" in caplog.text
+
+
+def test_rows_without_ids_are_left_out_and_the_rest_recorded(caplog):
+    """A step mixing rows with and without ids records the ones with (it used to record none of the step)."""
+    feed = PromptFeed(Shard([0, -1, 2, 3, 4, -1, 6, 7]), [], batch_size=4)
+    next(feed)
+    next(feed)
+    assert feed.consumed == {0: [0, 2, 3, 4, 6, 7]}
+    assert "1 prompt(s) of this step have no id" in caplog.text
+
+
+class TwoFiles:
+    """Rows of two files that both index from 0 (verl's GSM8K and MATH), as Ray Data hands them to
+    `canonical_columns`: each batch carries the read's "path" column, the files' rows interleaved; with
+    `consumed`, a resumed epoch's rows are marked as `open_splits` marks them."""
+
+    files = ["/data/gsm8k/train.parquet", "/data/math/train.parquet"]
+
+    def __init__(self, consumed: list | None = None) -> None:
+        self.canonical = canonical_columns(DataConfig(), files=self.files)
+        self.mark = MarkConsumed(consumed) if consumed is not None else None
+
+    def iter_batches(self, batch_size: int, batch_format: str, drop_last: bool = False):
+        rows = [(f, i) for i in range(6) for f in self.files]  # ids 0..5 of each file
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            raw = {
+                "id": np.asarray([i for _, i in chunk]),
+                "prompt": np.asarray([f"{f}#{i}" for f, i in chunk]),
+                "ground_truth": np.asarray(["g"] * len(chunk)),
+                "path": np.asarray([f for f, _ in chunk]),
+            }
+            batch = {k: np.asarray(v) for k, v in self.canonical(raw).items()}
+            yield self.mark(batch) if self.mark else batch
+
+
+def test_two_files_that_index_alike_resume_each_prompt_once():
+    """Keyed by (file, id): a step holding id 3 of both files records both, and a resumed epoch skips exactly
+    the consumed rows of each file (plain ids marked the other file's rows too, and a step with an id twice
+    was not recorded at all)."""
+    feed = PromptFeed(TwoFiles(), [], batch_size=4)
+    first = [next(feed)["id"].tolist() for _ in range(2)]
+    assert first[0] == [
+        "gsm8k/train.parquet:0",
+        "math/train.parquet:0",
+        "gsm8k/train.parquet:1",
+        "math/train.parquet:1",
+    ]
+    floor, position = merge_positions([(feed.open_epoch(), feed.position(0))])
+    assert (floor, len(position[0])) == (0, 8)
+    resumed = PromptFeed(
+        TwoFiles(), [(0, TwoFiles(position[0]))], batch_size=4, epoch=floor, carried=position
+    )
+    later = [next(resumed)["id"].tolist() for _ in range(2)]  # the rest of epoch 0, then epoch 1 begins
+    every = [f"{name}/train.parquet:{i}" for name in ("gsm8k", "math") for i in range(6)]
+    assert sorted(resumed.consumed[0]) == sorted(every)  # each prompt once: none lost, none repeated
+    assert sorted(sum(first, []) + later[0]) == sorted(every) and resumed.epoch == 1
 
 
 def test_columns_keep_arrays_as_objects():

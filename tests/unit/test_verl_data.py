@@ -57,12 +57,23 @@ def test_verl_parquet_checks_with_dotted_keys(tmp_path, caplog):
     assert "without the id column" not in caplog.text and "repeat an id" not in caplog.text
 
 
-def test_nested_ids_are_read_and_tallied(tmp_path, caplog):
-    a = write_verl(tmp_path / "a.parquet", verl_rows(3))
-    b = write_verl(tmp_path / "b.parquet", verl_rows(2, start=2))  # index 2 again
+def test_nested_ids_are_keyed_by_file(tmp_path, caplog):
+    """verl's GSM8K and MATH files both index from 0: a run over both is checked without a warning (its
+    prompts are keyed by file and index); an index repeated within one file is refused."""
+    (tmp_path / "gsm8k").mkdir(), (tmp_path / "math").mkdir()
+    gsm8k = write_verl(tmp_path / "gsm8k" / "train.parquet", verl_rows(3))
+    math = write_verl(tmp_path / "math" / "train.parquet", verl_rows(3))
     with caplog.at_level(logging.WARNING, logger="yatt_ray.data.sources"):
-        check_sources(DataConfig(train_files=[a, b], **VERL))
-    assert "1 row(s) repeat an id of the column 'extra_info.index'" in caplog.text and "e.g. 2" in caplog.text
+        assert check_sources(DataConfig(train_files=[gsm8k, math], **VERL)) == [gsm8k, math]
+    assert caplog.text == ""
+    again = write_verl(tmp_path / "again.parquet", verl_rows(3) + verl_rows(2, start=1))  # index 1, 2 twice
+    with pytest.raises(DataError) as info:
+        check_sources(DataConfig(train_files=[gsm8k, again], **VERL))
+    message = str(info.value)
+    assert (
+        f"data file {again!r} repeats ids of the column 'extra_info.index' (data.id_key): 2 row(s)" in message
+    )
+    assert "(e.g. 1, 2)" in message
 
 
 def test_a_wrong_dotted_key_names_the_file_key_and_nested_fields(tmp_path):
@@ -183,3 +194,35 @@ def test_build_dataset_reads_a_verl_parquet(ray_cluster, tmp_path):
     assert {r["data_source"] for r in out} == {"openai/gsm8k"}
     for r, row in zip(out, rows):
         assert chat_messages(r["prompt"]) == row["prompt"]  # the chat list intact
+
+
+def test_build_dataset_keys_two_verl_files_by_file_and_index(ray_cluster, tmp_path):
+    """Two files that both index from 0 (parquet, then jsonl): each row's id names its file (read from the
+    row's path, whatever order Ray Data reads the files in), so all ids differ; a row without an index gets ""."""
+    from yatt_ray.data import build_dataset
+
+    for ext in ("parquet", "jsonl"):
+        files = []
+        for name, answer in (("gsm8k", "g"), ("math", "m")):
+            rows = verl_rows(3)
+            for i, row in enumerate(rows):
+                row["reward_model"]["ground_truth"] = f"{answer}{i}"  # which file a row came from
+            rows[2]["extra_info"] = None
+            path = tmp_path / ext / name / f"train.{ext}"
+            path.parent.mkdir(parents=True)
+            if ext == "parquet":
+                write_verl(path, rows)
+            else:
+                path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            files.append(str(path))
+        out = build_dataset(DataConfig(train_files=files, **VERL), files).take_all()  # shuffled
+        got = sorted((r["id"], r["ground_truth"]) for r in out)
+        assert got == [
+            ("", "g2"),
+            ("", "m2"),
+            (f"gsm8k/train.{ext}:0", "g0"),
+            (f"gsm8k/train.{ext}:1", "g1"),
+            (f"math/train.{ext}:0", "m0"),
+            (f"math/train.{ext}:1", "m1"),
+        ], ext
+        assert set(out[0]) == {"id", "prompt", "ground_truth", "data_source"}  # the path column is dropped

@@ -1,6 +1,6 @@
 """A vision-language policy's inputs, checked on the driver before any cluster work: the image column against
 the model kind (both ways), the rollout engine kind, the critic, and the prompt encoding (image tokens expanded,
-clipping that would cut an image refused)."""
+clipping that would cut an image refused, a row without images given no image of the model's shape)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_a_critic_with_a_vision_model_is_refused_before_cluster_work(vlm, files,
 
 def test_prompt_encoder_expands_images_and_refuses_to_cut_one(vlm):
     layout = ImageLayout.from_model_dir(vlm)
-    assert layout == ImageLayout(IMAGE_TOKEN_ID, 16)
+    assert layout == ImageLayout(IMAGE_TOKEN_ID, 16, (3, 32, 32))
     tokenizer = build_vlm_tokenizer()
     row = {"id": 7, "prompt": "<image>Sum:", PIXELS: np.zeros((1, 3, 32, 32), dtype=np.float32)}
     encoded = PromptEncoder(tokenizer, 32, layout).encode(row)
@@ -78,6 +78,16 @@ def test_prompt_encoder_expands_images_and_refuses_to_cut_one(vlm):
         PromptEncoder(tokenizer, 12, layout).encode(row)
     with pytest.raises(DataError):  # two placeholders, one image
         PromptEncoder(tokenizer, 64, layout).encode({**row, "prompt": "<image><image>Sum:"})
+
+
+def test_a_row_without_images_gets_no_image_of_the_models_shape(vlm):
+    """The data task gives a good row without images pixels [0, 3, 0, 0] (it cannot know the model's size);
+    the encoder makes them [0, 3, 32, 32], so the engine, `stack_images` and the exchange read I = 0."""
+    layout = ImageLayout.from_model_dir(vlm)
+    row = {"id": 8, "prompt": "3+4 Sum:", PIXELS: np.zeros((0, 3, 0, 0), dtype=np.float32)}
+    encoded = PromptEncoder(build_vlm_tokenizer(), 32, layout).encode(row)
+    assert encoded.pixels is not None and encoded.pixels.shape == (0, 3, 32, 32)
+    assert IMAGE_TOKEN_ID not in encoded.ids and len(encoded.ids) == 1 + len("3+4 Sum:")
 
 
 def test_a_text_model_has_no_image_layout(tmp_path):

@@ -199,3 +199,26 @@ def test_a_bf16_engine_generates_with_images_close_to_fp32(engine, vlm_dir, pixe
             assert max(diffs, default=0.0) < 0.1  # the common prefix of the two greedy paths
     finally:
         bf16.close()
+
+
+def test_prompts_without_images_as_the_encoder_gives_them(engine, vlm_dir, pixels):
+    """A row without images (the data task's [0, 3, 0, 0]) encoded by `PromptEncoder` generates beside image
+    prompts and in a batch of its own, exactly as a text-only prompt (None) does."""
+    import numpy as np
+
+    from yatt_ray.data.images import PIXELS
+    from yatt_ray.models.tiny_vlm import build_vlm_tokenizer
+    from yatt_ray.prompts import ImageLayout, PromptEncoder
+
+    encoder = PromptEncoder(build_vlm_tokenizer(), 32, ImageLayout.from_model_dir(vlm_dir))
+    rows = [
+        {"prompt": "<image>Sum:", PIXELS: pixels(1, 0).numpy()},
+        {"prompt": "3+4 Sum:", PIXELS: np.zeros((0, 3, 0, 0), dtype=np.float32)},
+        {"prompt": "12+5 Sum:", PIXELS: np.zeros((0, 3, 0, 0), dtype=np.float32)},
+    ]
+    image, *text = [encoder.encode(r) for r in rows]
+    for batch in ([image, *text], text):  # mixed, and a batch without any image
+        ids = [e.ids for e in batch]
+        got = engine.generate(ids, GREEDY, images=[e.pixels for e in batch])
+        want = engine.generate(ids, GREEDY, images=[e.pixels if len(e.pixels) else None for e in batch])
+        assert [(c.token_ids, c.logprobs) for (c,) in got] == [(c.token_ids, c.logprobs) for (c,) in want]

@@ -28,7 +28,7 @@ def check_checkpoints(config, timeout_s: float = 60.0) -> str:
     """On the driver, before any cluster work: the checkpoint store takes a write (a probe file, then deleted),
     and the checkpoint to resume from (if any) is found, verified (sha256 of every file) and readable, with a
     tensor-parallel size this run can load. Returns a one-line summary; raises `CheckpointError` otherwise."""
-    from yatt_ray.checkpoint.training import choose_resume, read_run_state
+    from yatt_ray.checkpoint.training import check_train_vision, choose_resume, read_run_state
 
     c = config.checkpoint
 
@@ -66,6 +66,7 @@ def check_checkpoints(config, timeout_s: float = 60.0) -> str:
     if chosen is None:
         return f"checkpoints: {c.dir} (fresh start)"
     root, step, meta = chosen
+    check_train_vision(meta, config.model.train_vision, root, step)
     if meta["tp_size"] != config.train.tp_size:
         raise CheckpointError(
             f"checkpoint step {step} in {root} was saved with train.tp_size={meta['tp_size']}, this run has "
@@ -73,4 +74,8 @@ def check_checkpoints(config, timeout_s: float = 60.0) -> str:
             f"train.tp_size={meta['tp_size']} (train.dp_size may differ)"
         )
     run = read_run_state(c, root, step)
+    from yatt_ray.checkpoint.training import run_position
+    from yatt_ray.data.sources import check_position  # its data position keys prompts as this run's files do
+
+    check_position(run_position(run), config.data, f"checkpoint step {step} in {root}")
     return f"checkpoints: {c.dir} (resuming from step {step} of {root}, epoch {run['epoch']})"

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from yatt_ray.checkpoint.store import CheckpointError
+
 
 def trainer_state(trainer) -> dict[str, Any]:
     """The live (not copied) model state of a `MegatronTrainerBase`; the writer snapshots it. A vision policy
@@ -43,9 +45,15 @@ def load_trainer_state(trainer, state: dict[str, Any], optimizer: list[dict] | N
         raise ValueError("the checkpoint holds no optimizer state for this trainer")
     trainer.optimizer.load_state_dict(optimizer)
     side = trainer._side_optimizer()
+    if side is None and "encoder" in state:
+        raise CheckpointError(
+            "the checkpoint holds a trained vision encoder (its run had model.train_vision=projector or all), "
+            "but this run has model.train_vision=none, which would drop what was trained; resume with the "
+            "model.train_vision the run started with"
+        )
     if side is not None:
         if "encoder" not in state:
-            raise ValueError(
+            raise CheckpointError(
                 "the checkpoint holds no vision encoder state but model.train_vision trains the encoder; "
                 "resume with the model.train_vision the run started with"
             )

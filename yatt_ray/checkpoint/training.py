@@ -84,6 +84,19 @@ def run_position(run: dict) -> dict[int, list]:
     return {int(run["epoch"]): list(run["consumed"])} if run["consumed"] else {}
 
 
+def check_train_vision(meta: dict, train_vision: str, root: str, step: int) -> None:
+    """A checkpoint resumes only under the `model.train_vision` it was saved with: with less, what trained of
+    the vision encoder would be dropped; with more, its optimizer state is missing. (Checkpoints written before
+    the run marker recorded it are checked when the encoder state loads.)"""
+    saved = meta.get("train_vision")
+    if saved is not None and saved != train_vision:
+        raise CheckpointError(
+            f"checkpoint step {step} in {root} was saved with model.train_vision={saved}, this run has "
+            f"model.train_vision={train_vision}: resume with model.train_vision={saved} (to train another part "
+            "of the vision encoder, start a new run from an export: checkpoint.export_hf_steps)"
+        )
+
+
 def rank_url(root: str, rank: int) -> str:
     return f"{root.rstrip('/')}/ranks/rank_{rank:05d}"
 
@@ -95,19 +108,22 @@ class TrainState:
     `policy` / `critic`: `MegatronTrainerBase` (model and optimizer); `feed`: the controller's `PromptFeed`
     (None on other ranks; its consumed ids by epoch are the data position); `kl_coef`: the KL coefficient now
     (read at each save); `keep_rate`: dynamic sampling's estimate of the share of drawn groups kept (the
-    controller's; a run saves the mean over its controllers)."""
+    controller's; a run saves the mean over its controllers); `engine`: the rollout engine (controller ranks),
+    whose own sampling stream goes into this rank's RNG entry, so a resumed run samples what the uninterrupted
+    one would have."""
 
     policy: Any
     critic: Any | None
     feed: Any | None
     kl_coef: Callable[[], float]
     keep_rate: Callable[[], float] = lambda: 1.0
+    engine: Any | None = None  # the controller's rollout engine: its sampling stream is saved with the RNGs
 
 
 @dataclass
 class Resumed:
     """What a resumed run continues from. The trainers and RNGs are already restored; the caller sets the KL
-    coefficient and syncs the rollout engine's weights."""
+    coefficient, the rollout engine's sampling stream (`engine_rng`) and syncs the engine's weights."""
 
     step: int
     epoch: int  # the oldest epoch some group had not finished
@@ -116,6 +132,7 @@ class Resumed:
     history: list[MetricRow] = field(default_factory=list)
     source: str = ""
     keep_rate: float = 1.0  # dynamic sampling's estimate (1.0 from checkpoints written before it was saved)
+    engine_rng: dict | None = None  # the rollout engine's sampling stream (`RolloutEngine.set_rng_state`)
 
 
 class TrainingCheckpoints:
@@ -152,15 +169,16 @@ class TrainingCheckpoints:
         self.unlogged: list[tuple[str, dict]] = []  # prompt-id records not yet written (store down)
 
     # ---- resume (collective) --------------------------------------------------------------------------------
-    def resume(self, state: TrainState) -> Resumed | None:
-        """Restore the newest valid checkpoint (per `checkpoint.resume`) into `state`'s trainers and this rank's
-        RNGs; None for a fresh start (always with checkpoints off)."""
+    def resume(self, state: TrainState, restart: bool = False) -> Resumed | None:
+        """Restore the checkpoint `choose_resume` picks (`restart`: Ray Train's attempt > 1, which always
+        continues from the run's own newest checkpoint) into `state`'s trainers and this rank's RNGs; None for a
+        fresh start (always with checkpoints off)."""
         if not self.enabled:
             return None
         choice: Any = None
         if self.layout.rank == 0:
             try:
-                choice = choose_resume(self.cfg)
+                choice = choose_resume(self.cfg, restart)
             except Exception as exc:  # every rank raises it, none waits forever
                 choice = exc
         box = [choice]
@@ -168,18 +186,19 @@ class TrainingCheckpoints:
         if isinstance(box[0], BaseException):
             raise box[0]
         if box[0] is None:
-            self._drop_newer(0)  # rank files of an attempt that died before its first run marker
+            self._clear_after(0)  # rank files of an attempt that died before its first run marker
             return None
         root, step, meta = box[0]
         self._check_layout(meta, root, step)
         resumed = self._restore(state, root, step, meta)
-        self._drop_newer(step)
+        self._clear_after(step)
         self.schedule.mark_saved(step)
         self.agreed = self.last_saved = self.agreed_at_start = step
         log.warning("resumed from checkpoint step %d in %s", step, root)
         return resumed
 
     def _check_layout(self, meta: dict, root: str, step: int) -> None:
+        check_train_vision(meta, self.config.model.train_vision, root, step)
         tp, dp = self.layout.tp_size, self.layout.dp_size
         if meta["tp_size"] != tp:
             raise CheckpointError(
@@ -216,8 +235,10 @@ class TrainingCheckpoints:
             shards = [entries(rank, [key])[key] for rank in ranks]
             load_trainer_state(trainer, saved[name], shards)
         run = entries(0, [RUN_ENTRY])[RUN_ENTRY]
+        rng: dict[str, Any] = {}
         if self.layout.rank < meta["world_size"]:
-            set_rng_state(entries(self.layout.rank, ["rng"])["rng"])
+            rng = entries(self.layout.rank, ["rng"])["rng"]
+            set_rng_state(rng)
         return Resumed(
             step,
             int(run["epoch"]),
@@ -226,17 +247,34 @@ class TrainingCheckpoints:
             _rows(run["history"]),
             root,
             float(run.get("keep_rate", 1.0)),
+            rng.get("rollout"),  # saved by a controller rank
         )
 
-    def _drop_newer(self, step: int) -> None:
-        """Remove this run's checkpoints after `step` (a dead attempt's, or damaged): the redone steps replace
-        them."""
-        stores = [self.rank_store] + ([self.store] if self.layout.rank == 0 else [])
-        for store in stores:
-            committed, unfinished = store._scan()
-            for s in sorted(set(committed + unfinished)):
-                if s > step:
-                    store.delete(s)
+    def _clear_after(self, step: int) -> None:
+        """Before the steps after `step` are redone: this rank's files of later steps that no run marker
+        commits (a dead attempt's writes, never a checkpoint) are removed. A later run marker exists only when
+        it failed its checks (`choose_resume` takes the newest valid one); it is moved aside with its rank
+        files to ``<dir>/set_aside/<session>/``, never deleted, since a check can fail on a read error too.
+        Collective."""
+        marked = {s for s in self.store.list_committed() if s > step}
+        dist.barrier()  # every rank has read the markers before rank 0 moves any
+        aside = f"{self.store.root}/set_aside/{self.session or 'start'}"
+        committed, unfinished = self.rank_store._scan()
+        for s in sorted(set(committed + unfinished)):
+            if s in marked and s in committed:
+                target = f"{aside}/{step_dir_name(s)}/ranks/rank_{self.layout.rank:05d}"
+                self.rank_store.fs.mv(self.rank_store.step_path(s), target, recursive=True)
+            elif s > step:
+                self.rank_store.delete(s)
+        if self.layout.rank == 0 and marked:
+            for s in sorted(marked):
+                self.store.fs.mv(self.store.step_path(s), f"{aside}/{step_dir_name(s)}/run", recursive=True)
+            log.warning(
+                "checkpoint steps %s in %s failed their checks; moved aside to %s (the steps are redone)",
+                sorted(marked),
+                self.store.root_url,
+                aside,
+            )
         dist.barrier()
 
     def attempt_number(self) -> int:
@@ -357,6 +395,7 @@ class TrainingCheckpoints:
             "dp_size": self.layout.dp_size,
             "tp_size": self.layout.tp_size,
             "distributed_optimizer": bool(self.config.train.distributed_optimizer),
+            "train_vision": self.config.model.train_vision,
         }
         try:
             self.store.commit(self.store.begin(step), meta)
@@ -412,6 +451,8 @@ class TrainingCheckpoints:
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         payload: dict[str, Any] = {"rng": rng_state()}
+        if state.engine is not None:
+            payload["rng"]["rollout"] = state.engine.rng_state()
         for name, trainer in (("policy", state.policy), ("critic", state.critic)):
             if trainer is None:
                 continue
@@ -506,29 +547,61 @@ def _rows(history: list) -> list[MetricRow]:
         ) from exc
 
 
-def choose_resume(cfg) -> tuple[str, int, dict] | None:
+def choose_resume(cfg, restart: bool = False) -> tuple[str, int, dict] | None:
     """(root URL, step, run metadata) of the checkpoint that `cfg` (the `checkpoint` section) resumes from, or
-    None for a fresh start. Every file of the chosen step passes its sha256 check; a damaged step is skipped
-    with a warning. Runs on the driver before any cluster work, and on rank 0 at each (re)start."""
+    None for a fresh start. Runs on the driver before any cluster work, and on rank 0 at each (re)start.
+
+    The run's own `checkpoint.dir` comes first: once it holds a valid checkpoint, every start resumes from its
+    newest one, whatever `checkpoint.resume` says, so a restart (`restart`: Ray Train's attempt > 1) or a
+    re-run of the same command continues the run instead of rolling it back. Otherwise `checkpoint.resume`
+    decides: "auto" starts fresh; a folder (or one of its step_XXXXXXXX folders) of an earlier run resumes from
+    there; "never" starts fresh, and refuses a first start whose `checkpoint.dir` already holds checkpoints.
+    Every file of the chosen step passes its sha256 check; a damaged step is skipped with a warning."""
     mode = cfg.resume
-    if mode == "never":
-        existing = CheckpointStore(cfg.dir, storage_options=dict(cfg.storage_options)).list_committed()
-        if existing:
-            raise CheckpointError(
-                f"checkpoint.dir={cfg.dir!r} already holds checkpoints {existing} but checkpoint.resume=never: "
-                "use a new checkpoint.dir, or checkpoint.resume=auto to continue"
+    own = CheckpointStore(cfg.dir, storage_options=dict(cfg.storage_options)).list_committed()
+    if mode == "never" and own and not restart:
+        raise CheckpointError(
+            f"checkpoint.dir={cfg.dir!r} already holds checkpoints {own} but checkpoint.resume=never: "
+            "use a new checkpoint.dir, or checkpoint.resume=auto to continue"
+        )
+    chosen = _newest_valid(cfg, cfg.dir, own)
+    if own and chosen is None:
+        raise CheckpointError(
+            f"no valid checkpoint in checkpoint.dir={cfg.dir!r}: every one of steps {own} is damaged (see the "
+            "warnings above); move them aside to start from checkpoint.resume, or use a new checkpoint.dir"
+        )
+    if chosen is not None or mode in ("auto", "never"):
+        if chosen is not None and mode not in ("auto", "never") and not restart:
+            log.warning(
+                "checkpoint.dir=%s already holds this run's checkpoints (newest valid: step %d): continuing from "
+                "there, not from checkpoint.resume=%s; give a new checkpoint.dir to start again from that folder",
+                cfg.dir,
+                chosen[1],
+                mode,
             )
-        return None
-    root, only = (cfg.dir, None) if mode == "auto" else _split_step(mode)
-    source = CheckpointStore(root, storage_options=dict(cfg.storage_options))
-    steps = source.list_committed()
+        return chosen
+    root, only = _split_step(mode)
+    steps = CheckpointStore(root, storage_options=dict(cfg.storage_options)).list_committed()
     if only is not None:
         steps = [s for s in steps if s == only]
-    if mode != "auto" and not steps:
+    if not steps:
         raise CheckpointError(
             f"checkpoint.resume={mode!r} holds no committed checkpoint; give a checkpoint.dir of an earlier "
             "run (or one of its step_XXXXXXXX folders), or use checkpoint.resume=auto"
         )
+    chosen = _newest_valid(cfg, root, steps)
+    if chosen is None:
+        raise CheckpointError(
+            f"no valid checkpoint in {root!r}: every one of steps {steps} is damaged (see the warnings above); "
+            "resume from another folder, or start afresh with a new checkpoint.dir"
+        )
+    return chosen
+
+
+def _newest_valid(cfg, root: str, steps: list[int]) -> tuple[str, int, dict] | None:
+    """(root, step, run metadata) of the newest of `steps` under `root` whose files all verify, or None; each
+    damaged one is skipped with a warning."""
+    source = CheckpointStore(root, storage_options=dict(cfg.storage_options))
     for step in reversed(steps):
         problem, meta = _verify_run_step(source, root, step, cfg.storage_options)
         if problem is None:
@@ -538,11 +611,6 @@ def choose_resume(cfg) -> tuple[str, int, dict] | None:
             step,
             root,
             problem,
-        )
-    if steps:
-        raise CheckpointError(
-            f"no valid checkpoint in {root!r}: every one of steps {steps} is damaged (see the warnings above); "
-            "resume from another folder, or start afresh with a new checkpoint.dir"
         )
     return None
 

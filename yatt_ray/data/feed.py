@@ -1,6 +1,10 @@
 """The data position: which prompts each epoch has consumed, and streams that skip them after a resume.
 
-Ray Data's `streaming_split` iterators cannot seek, so the position is kept as prompt ids, per epoch.
+Ray Data's `streaming_split` iterators cannot seek, so the position is kept as prompt ids, per epoch. An id
+names one row: `check_sources` refuses an id repeated within a file, and a run over several files keys each
+row on its file and id ("gsm8k/train.parquet:17", `sources.qualified_id`), so files that index from 0 alike
+(verl's GSM8K and MATH) do not mark each other's rows. A row without an id (-1, or "") is trained but not
+recorded: a resumed run trains it again in its epoch.
 
 Epoch semantics: an epoch is one pass over the (shuffled) dataset, split evenly over the data-parallel groups
 (`equal=True`: up to dp-1 rows may be left out). A step may take the last rows of one epoch and the first of the
@@ -31,6 +35,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -40,11 +45,13 @@ import numpy as np
 import torch.distributed as dist
 
 from yatt_ray.data.images import ERROR as IMAGE_ERROR  # why a row's images did not load ('' when they did)
+from yatt_ray.data.sources import has_id
 from yatt_ray.errors import DataError
 
 log = logging.getLogger(__name__)
 
 Position = dict[int, list]  # epoch -> prompt ids consumed in it (the epochs not finished by every group)
+# (ids as `build_dataset` gives them: plain over one file, "<file name>:<id>" over several; JSON, sortable)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class FeedRow:
 
     @property
     def id(self) -> Any:
+        """The key of the row in the data position (see the module docstring), as a Python value."""
         value = self.row["id"]
         return value.item() if isinstance(value, np.generic) else value
 
@@ -80,24 +88,38 @@ SKIP = "_consumed"  # the column `MarkConsumed` adds: rows a resumed epoch had a
 class MarkConsumed:
     """A Ray Data batch function marking (column `SKIP`) the rows whose "id" is in `ids`; the feed reads past
     them. Marked rather than dropped: every split of the epoch then holds as many rows as in a fresh epoch
-    (`equal=True` leaves out no unconsumed row), and the splits still end together."""
+    (`equal=True` leaves out no unconsumed row), and the splits still end together. Compared as Python values
+    (a set), so an object column of strings or ints of any width matches the ids read back from JSON."""
 
     def __init__(self, ids: list) -> None:
-        self.ids = np.asarray(ids)
+        self.ids = set(ids)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {**batch, SKIP: np.isin(batch["id"], self.ids)}
+        column = batch["id"]
+        marks = np.fromiter((_plain(i) in self.ids for i in column), dtype=bool, count=len(column))
+        return {**batch, SKIP: marks}
 
 
-def open_splits(dataset, dp_size: int, position: Position) -> dict[str, Any]:
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def resumed_epochs(epoch: int, position: Position) -> list[tuple[int, list]]:
+    """The epochs a resumed run reads again before full ones, oldest first, each with its consumed ids: every
+    epoch from the oldest open one (`epoch`) to the newest with consumed ids, also one in between (or the oldest)
+    where nothing was consumed yet (its rows were all in queues when the checkpoint was taken)."""
+    if not position:
+        return []
+    return [(e, list(position.get(e, []))) for e in range(min(epoch, *position), max(position) + 1)]
+
+
+def open_splits(dataset, dp_size: int, epoch: int, position: Position) -> dict[str, Any]:
     """On rank 0: {"full": splits of the dataset, "rest": [(epoch, splits with that epoch's consumed rows
-    marked)], oldest epoch first}; each splits value a list with one iterator per data-parallel group."""
+    marked)] for `resumed_epochs(epoch, position)`}; each splits value a list with one iterator per
+    data-parallel group."""
     rest = [
-        (
-            epoch,
-            dataset.map_batches(MarkConsumed(ids), batch_format="numpy").streaming_split(dp_size, equal=True),
-        )
-        for epoch, ids in sorted(position.items())
+        (e, dataset.map_batches(MarkConsumed(ids), batch_format="numpy").streaming_split(dp_size, equal=True))
+        for e, ids in resumed_epochs(epoch, position)
     ]
     return {"full": dataset.streaming_split(dp_size, equal=True), "rest": rest}
 
@@ -136,6 +158,7 @@ class PromptFeed:
         self._warned_ids = False
         self._buffer: deque[FeedRow | None] = deque()  # rows of the fetched batch not pulled yet
         self._batches = _Prefetch(self._epochs())
+        self.first_batch_at: float | None = None  # when the stream's first batch arrived (start-up table)
 
     # ---- reading ------------------------------------------------------------------------------------
     def pull(self, k: int) -> None:
@@ -146,6 +169,7 @@ class PromptFeed:
         for _ in range(k):
             if not self._buffer:
                 epoch, batch = next(self._batches)
+                self.first_batch_at = self.first_batch_at or time.time()
                 skip = batch.pop(SKIP, np.zeros(len(batch["id"]), dtype=bool))
                 rows = (FeedRow(epoch, {c: v[i] for c, v in batch.items()}) for i in np.flatnonzero(~skip))
                 self._buffer.extend([None] * int(skip.sum()) + list(rows))  # None: a consumed row's place
@@ -172,19 +196,23 @@ class PromptFeed:
         self.queue.extendleft(replace(r, aborts=r.aborts + 1) for r in reversed(rows))
 
     def consume(self, rows: list[FeedRow]) -> None:
-        """Record the rows' ids in their epochs' position (once trained on, or drawn and dropped)."""
-        ids = [r.id for r in rows]
-        keys = {(r.epoch, r.id) for r in rows}  # one prompt may come twice: from the queue and the next epoch
-        if -1 in ids or len(keys) < len(rows):
-            if not self._warned_ids:
-                self._warned_ids = True
-                log.warning(
-                    "prompt ids are missing (-1) or repeated: the data position is not recorded, and a resumed "
-                    "run starts its epoch over; give every row a unique data.id_key column"
-                )
-            return
+        """Record the rows' ids in their epochs' position (once trained on, or drawn and dropped). One prompt may
+        come twice in `rows`, from the queue and from the next epoch: each is recorded in its own epoch. A row
+        without an id is left out (warned once): a resumed run trains it again in its epoch."""
+        unrecorded = 0
         for r in rows:
-            self.consumed.setdefault(r.epoch, []).append(r.id)
+            if has_id(r.id):
+                self.consumed.setdefault(r.epoch, []).append(r.id)
+            else:
+                unrecorded += 1
+        if unrecorded and not self._warned_ids:
+            self._warned_ids = True
+            log.warning(
+                "%d prompt(s) of this step have no id (data.id_key: no column, a null, or -1): the data position "
+                "does not record them, so a resumed run trains them again in their epoch; give every row a "
+                "unique id in data.id_key",
+                unrecorded,
+            )
 
     def __iter__(self) -> Iterator[dict]:
         return self

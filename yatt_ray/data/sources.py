@@ -1,10 +1,23 @@
 """Read prompt files (parquet or jsonl, any fsspec URL) into a Ray Dataset with canonical columns.
 
 `check_sources` runs on the driver before the cluster does any work: it expands globs, checks that each
-file exists, that the configured columns are present and that it holds rows, and warns about repeated ids.
-Parquet files are checked from their footer metadata (plus the id column); jsonl files have no metadata, so
-they are streamed line by line (each line parsed once, none kept). `first_row` reads one row (the reward
-function's dry call). `build_dataset` is lazy: rows are read by Ray Data tasks, never by the driver.
+file exists, that the configured columns are present and that it holds rows, and (training files) that no id
+repeats within a file. Parquet files are checked from their footer metadata (plus the id column); jsonl files
+have no metadata, so they are streamed line by line (each line parsed once, none kept). `first_row` reads one
+row (the reward function's dry call). `build_dataset` is lazy: rows are read by Ray Data tasks, never by the
+driver.
+
+Prompt ids. A checkpoint's data position is the set of prompt ids each open epoch consumed (`data/feed.py`),
+so an id must name one row. A run over one file keys a row on its id as it is (`data.id_key`); a run over
+several files on its file and id, the string "<file name>:<id>" (`qualified_id`), where the file name is the
+file's path below the files' deepest common folder (`id_prefixes`: "gsm8k/train.parquet:17" for verl's
+~/data/gsm8k/train.parquet beside ~/data/math/train.parquet, which both index from 0). The name depends only
+on the list of files, not on the order Ray Data reads them, and survives moving the data folder; the Ray Data
+tasks find each row's file from the "path" column that `include_paths=True` adds. An id repeated within one
+file is refused before any work. A row without an id (no id column, a null, or -1) gets -1 ("" over several
+files): the position cannot record it, so a resumed run trains it again in its epoch (warned).
+`check_position` refuses, on the driver, a checkpoint whose position is keyed the other way (one file against
+several, or other files), which would mark the wrong rows consumed.
 
 Images (a vision-language policy): with `images=True` the image column (`data.image_key`) must be in every
 file (parquet: its footer; the driver reads no image), and `build_dataset` decodes each row's images and runs
@@ -25,10 +38,13 @@ from __future__ import annotations
 
 import json
 import logging
+import posixpath
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from yatt_ray.config import DataConfig
 from yatt_ray.errors import DataError
@@ -48,11 +64,48 @@ def check_sources(
 ) -> list[str]:
     """Expanded file list for `key` (data.train_files or data.eval_files); DataError naming file, column, fix.
 
-    Raises on a missing file, a missing prompt / answer column, an empty file, a malformed jsonl line (its
-    1-based number) and fewer than `min_rows` rows over all the files; warns when ids (`data.id_key`) are
-    missing or repeated, since the data position of a checkpoint is a set of ids. `images`: the policy reads
-    images, so every file needs the image column; without, no file may have it (a non-empty data.image_key).
+    Raises on a missing file, a file listed twice, a missing prompt / answer column, an empty file, a malformed
+    jsonl line (its 1-based number) and fewer than `min_rows` rows over all the files. Training files only (the
+    data position of a checkpoint is a set of ids): raises on an id (`data.id_key`) repeated within one file,
+    and warns about rows without an id. `images`: the policy reads images, so every file needs the image
+    column; without, no file may have it (a non-empty data.image_key).
     """
+    files = expand_files(data, key)
+    if len({_format(f) for f in files}) > 1:
+        raise DataError(f"{key} mixes formats ({files}); use one of parquet or jsonl per run")
+    names = id_prefixes(files)
+    rows, missing = 0, []
+    for url in files:
+        ids = _FileIds(url, data.id_key, names.get(url)) if key == "data.train_files" else None
+        rows += _check_file(url, data, ids, images)
+        if ids is not None:
+            ids.refuse_repeats()
+            if ids.missing:
+                missing.append((url, ids.missing))
+    if rows < min_rows:
+        raise DataError(
+            f"{key} holds {rows} rows over {len(files)} file(s), fewer than the {min_rows} needed (one step's "
+            "prompts, train.prompts_per_step); add data or lower train.prompts_per_step"
+        )
+    if missing:
+        log.warning(
+            "%s: %d row(s) in %d file(s) (%s) have no id in the column %r (data.id_key: the column is absent, or "
+            "the value null or -1): the data position (which prompts an epoch consumed) cannot record them, so a "
+            "resumed run trains them again in their epoch; give every row a unique id in a column named by "
+            "data.id_key",
+            key,
+            sum(n for _, n in missing),
+            len(missing),
+            ", ".join(f"{url} ({n})" for url, n in missing[:3]) + (", ..." if len(missing) > 3 else ""),
+            data.id_key,
+        )
+    log.info("%s: %d rows in %d file(s)", key, rows, len(files))
+    return files
+
+
+def expand_files(data: DataConfig, key: str = "data.train_files") -> list[str]:
+    """The files that `key`'s patterns (globs, any fsspec URL) name, in pattern order, each pattern's matches
+    sorted; DataError on an empty list, a pattern matching nothing, or a file named twice."""
     patterns = data.train_files if key == "data.train_files" else data.eval_files
     if not patterns:
         raise DataError(f"{key} is empty; give parquet or jsonl files, e.g. {key}=[data/train.parquet]")
@@ -63,21 +116,107 @@ def check_sources(
             raise DataError(f"{key} entry {pattern!r} matches no file; check the path or glob")
         for path in sorted(paths):
             url = fs.unstrip_protocol(path) if "://" in pattern else path
+            if url in files:
+                raise DataError(
+                    f"{key} names the data file {url!r} twice (patterns {patterns}); its prompts would be read "
+                    "twice an epoch: list each file once"
+                )
             files.append(url)
-    if len({_format(f) for f in files}) > 1:
-        raise DataError(f"{key} mixes formats ({files}); use one of parquet or jsonl per run")
-    ids = _IdTally(data.id_key)
-    rows = 0
-    for url in files:
-        rows += _check_file(url, data, ids, images)
-    if rows < min_rows:
-        raise DataError(
-            f"{key} holds {rows} rows over {len(files)} file(s), fewer than the {min_rows} needed (one step's "
-            "prompts, train.prompts_per_step); add data or lower train.prompts_per_step"
-        )
-    ids.warn(key)
-    log.info("%s: %d rows in %d file(s)", key, rows, len(files))
     return files
+
+
+# ---- prompt ids ----------------------------------------------------------------------------------------
+NO_ID = -1  # the id of a row without one (a run over several files: "")
+_QUALIFIED = re.compile(r".+\.(parquet|jsonl|json):")  # what `qualified_id` gives starts like this
+
+
+def id_prefixes(files: list[str]) -> dict[str, str]:
+    """{file URL: the name its ids are qualified with} for a run over several files; {} for one file.
+
+    The name is the file's path below the deepest folder common to all the files (protocol left out):
+    ["/d/gsm8k/train.parquet", "/d/math/train.parquet"] -> "gsm8k/train.parquet", "math/train.parquet";
+    the parts of one folder -> their file names. It depends on the list alone (not on read order), and stays
+    the same when the whole data folder moves (another absolute prefix, local or bucket)."""
+    if len(files) < 2:
+        return {}
+    bare = [_bare(f) for f in files]
+    common = posixpath.commonpath([posixpath.dirname(b) for b in bare])
+    return {f: b[len(common) :].lstrip("/") for f, b in zip(files, bare)}
+
+
+def qualified_id(name: str, value: Any) -> str:
+    """The key of a row with id `value` in the file named `name` (`id_prefixes`): "gsm8k/train.parquet:17".
+    A whole float is written as an int: Ray Data hands an int column (or struct field) holding a null as floats,
+    block by block, and a row's key must not depend on which block it was read in."""
+    value = _plain(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{name}:{value}"
+
+
+def has_id(value: Any) -> bool:
+    """False for a row without an id: -1 (what `build_dataset` gives it), "" (over several files), null, NaN."""
+    value = _plain(value)
+    if value is None or value is _MISSING or (isinstance(value, str) and value == ""):
+        return False
+    if isinstance(value, float) and value != value:  # NaN: a null of a float column written by pandas
+        return False
+    return not (isinstance(value, int | float) and not isinstance(value, bool) and value == NO_ID)
+
+
+def check_position(position: Mapping[int, list], data: DataConfig, where: str) -> None:
+    """DataError unless a checkpoint's data position (`where`: which checkpoint) is keyed as this run keys its
+    prompts (`data.train_files`): plain ids for one file, "<file name>:<id>" for several. Resuming from one keyed
+    the other way would mark the wrong rows consumed. Warns when some (not all) ids name files this run does not
+    read (a file left out): those are ignored. Nothing to check without files or consumed ids."""
+    ids = [i for consumed in position.values() for i in consumed]
+    if not ids or not data.train_files:
+        return
+    files = expand_files(data)
+    names = sorted(id_prefixes(files).values())
+    examples = ", ".join(repr(i) for i in ids[:3])
+    fix = (
+        "Resume with the data.train_files that run used, or start a new run (a new checkpoint.dir) from its "
+        "weights (model.path=<an HF export of it: checkpoint.export_hf_steps>)"
+    )
+    if not names:
+        if all(isinstance(i, str) and _QUALIFIED.match(i) for i in ids):
+            raise DataError(
+                f"{where}: its data position keys prompts by file and id ({examples}), as a run over several "
+                f"files does, but this run reads one file ({files[0]!r}), whose prompts are keyed by id alone: "
+                f"resuming would mark the wrong rows consumed. {fix}"
+            )
+        return
+    known = [i for i in ids if isinstance(i, str) and any(i.startswith(n + ":") for n in names)]
+    if not known:
+        raise DataError(
+            f"{where}: its data position keys prompts as {examples}, but this run reads {len(files)} files "
+            f"(data.train_files), whose prompts are keyed by file and id ('{names[0]}:<id>', ...). The checkpoint "
+            "was written by a run over other files, or over several files by an earlier version that keyed "
+            f"prompts by id alone (which cannot tell the files' rows apart): resuming would mark the wrong rows "
+            f"consumed. {fix}"
+        )
+    if len(known) < len(ids):
+        matched = set(known)
+        log.warning(
+            "%s: %d of the %d prompt ids of its data position name files this run does not read (e.g. %r); they "
+            "are ignored (this run reads %s)",
+            where,
+            len(ids) - len(known),
+            len(ids),
+            next(i for i in ids if i not in matched),
+            ", ".join(names),
+        )
+
+
+def _bare(url: str) -> str:
+    """A file URL without its protocol and leading slashes: "s3://b/k" -> "b/k", "/d/f" -> "d/f"."""
+    return url.split("://", 1)[-1].lstrip("/")
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value (how ids are compared, printed and stored)."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def first_row(data: DataConfig, files: list[str]) -> tuple[str, str, str]:
@@ -180,8 +319,6 @@ def _batch_column(batch: Mapping[str, Any], key: str, default: Any, n: int) -> A
 def _as_array(values: list) -> Any:
     """A 1-d numpy array of `values`: typed when they are all scalars, else an object array holding them as
     they are (numpy would stack a list of equal-length lists into 2-d)."""
-    import numpy as np
-
     if all(isinstance(v, str | int | float | bool | np.generic) for v in values):
         return np.asarray(values)
     out = np.empty(len(values), dtype=object)
@@ -197,53 +334,46 @@ def _format(path: str) -> str:
     raise DataError(f"data file {path!r} has an unknown extension; use .parquet or .jsonl")
 
 
-class _IdTally:
-    """Counts ids over the files: how many repeat an id seen before, and the rows without one."""
+class _FileIds:
+    """The ids of one training file, as the data position keys them (`qualified_id` with `name`, over several
+    files): how many rows repeat an id of an earlier row, a few of those ids, and the rows without an id."""
 
-    def __init__(self, id_key: str) -> None:
-        self.id_key = id_key
+    def __init__(self, url: str, id_key: str, name: str | None) -> None:
+        self.url, self.id_key, self.name = url, id_key, name
         self.seen: set = set()
         self.repeats = 0
         self.examples: list = []
-        self.missing: list[str] = []  # files with rows that lack the id column
+        self.missing = 0  # rows without an id (no column, null, -1)
 
     def add(self, value: Any) -> None:
+        if not has_id(value):
+            self.missing += 1
+            return
+        key = qualified_id(self.name, value) if self.name is not None else value
         try:
-            hash(value)
+            hash(key)
         except TypeError:
-            value = repr(value)
-        if value in self.seen:
+            key = repr(key)
+        if key in self.seen:
             self.repeats += 1
-            if len(self.examples) < 3:
+            if len(self.examples) < 5:
                 self.examples.append(value)
         else:
-            self.seen.add(value)
+            self.seen.add(key)
 
-    def warn(self, key: str) -> None:
-        if self.missing:
-            log.warning(
-                "%s: %d file(s) (%s) have rows without the id column %r (data.id_key): those rows get id -1, so the "
-                "data position (which prompt ids an epoch consumed) is not recorded for them and a resumed run "
-                "re-trains them; give every row a unique id in a column named by data.id_key",
-                key,
-                len(self.missing),
-                ", ".join(self.missing[:3]) + (", ..." if len(self.missing) > 3 else ""),
-                self.id_key,
-            )
+    def refuse_repeats(self) -> None:
         if self.repeats:
-            log.warning(
-                "%s: %d row(s) repeat an id of the column %r (data.id_key) over the files (e.g. %s): the data "
-                "position (which prompt ids an epoch consumed) assumes unique ids, so a resumed run may re-train "
-                "or skip the rows sharing an id; give every row a unique id",
-                key,
-                self.repeats,
-                self.id_key,
-                ", ".join(repr(v) for v in self.examples),
+            raise DataError(
+                f"data file {self.url!r} repeats ids of the column {self.id_key!r} (data.id_key): {self.repeats} "
+                f"row(s) share an id with an earlier row of that file (e.g. {', '.join(map(repr, self.examples))}). "
+                "A checkpoint records which prompts an epoch consumed by (file, id), so a resumed run would skip "
+                "or repeat the rows sharing an id. Give each row of the file a unique id in data.id_key (e.g. its "
+                "row number), or set data.id_key to a column that is unique within each file"
             )
 
 
-def _check_file(url: str, data: DataConfig, ids: _IdTally, images: bool = False) -> int:
-    """The number of rows in `url`, after checking its columns and (jsonl) every line."""
+def _check_file(url: str, data: DataConfig, ids: _FileIds | None, images: bool = False) -> int:
+    """The number of rows in `url`, after checking its columns and (jsonl) every line; its ids go to `ids`."""
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         raise DataError(f"data file {url!r} does not exist; check the data file lists")
@@ -296,7 +426,9 @@ def _verl_hint(shape: Mapping, data: DataConfig) -> str:
     )
 
 
-def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally, images: bool = False) -> int:
+def _check_parquet(
+    fs, path: str, url: str, data: DataConfig, ids: _FileIds | None, images: bool = False
+) -> int:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -311,20 +443,22 @@ def _check_parquet(fs, path: str, url: str, data: DataConfig, ids: _IdTally, ima
         shape = _schema_shape(metadata.schema.to_arrow_schema())
         _need_columns(url, shape, data, images=images)
         id_path = key_path(data.id_key, shape)
-        if metadata.num_rows and id_path is not None:
+        if ids is not None and metadata.num_rows and id_path is not None:
             f.seek(0)
             column = pq.read_table(f, columns=[id_path[0]]).column(0)
             if len(id_path) > 1:  # a field of a struct column (a null struct gives a null id)
                 column = pc.struct_field(column.combine_chunks(), id_path[1:])
             for value in column.to_pylist():
                 ids.add(value)
-        elif metadata.num_rows:
-            ids.missing.append(url)
+        elif ids is not None:
+            ids.missing += int(metadata.num_rows)
     return int(metadata.num_rows)
 
 
-def _check_jsonl(fs, path: str, url: str, data: DataConfig, ids: _IdTally, images: bool = False) -> int:
-    rows, missing = 0, False
+def _check_jsonl(
+    fs, path: str, url: str, data: DataConfig, ids: _FileIds | None, images: bool = False
+) -> int:
+    rows = 0
     with fs.open(path, "r") as f:
         for number, obj in _jsonl_rows(f, url):
             if rows == 0:
@@ -339,14 +473,9 @@ def _check_jsonl(fs, path: str, url: str, data: DataConfig, ids: _IdTally, image
                             f"data file {url!r} line {number} has no key {column!r} ({key_name}); its keys are "
                             f"{_described(obj)}. Every line needs the prompt and answer keys: fix or remove that line"
                         )
-            value = lookup(obj, data.id_key)
-            if value is _MISSING:
-                missing = True
-            else:
-                ids.add(value)
+            if ids is not None:
+                ids.add(lookup(obj, data.id_key))
             rows += 1
-    if missing:
-        ids.missing.append(url)
     return rows
 
 
@@ -373,18 +502,21 @@ def _jsonl_rows(f, url: str) -> Iterator[tuple[int, dict]]:
 def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
     """A lazy Ray Dataset with columns PROMPT_COLUMNS (id, prompt, ground_truth, data_source).
 
-    A file without the id or data-source column gets -1 ids and source "default". `pixels` (a vision policy's
-    image processor, e.g. `yatt_ray.data.images.ClipPixels(model_dir)`): the image column is read too and, in
-    Ray Data tasks after the shuffle, decoded and processed into the columns `images.PIXELS` (float32
-    [I, 3, H, W] a row), `images.SIZES` and `images.ERROR` (see `images.decode_images_batch`; bad rows are
-    kept, flagged, under data.on_bad_image=skip).
+    A file without the id or data-source column gets -1 ids and source "default". Over several files each id is
+    "<file name>:<id>" ("" for a row without one; see the module docstring), each row's file read from the
+    "path" column that the read adds. `pixels` (a vision policy's image processor, e.g.
+    `yatt_ray.data.images.ClipPixels(model_dir)`): the image column is read too and, in Ray Data tasks after the
+    shuffle, decoded and processed into the columns `images.PIXELS` (float32 [I, 3, H, W] a row),
+    `images.SIZES` and `images.ERROR` (see `images.decode_images_batch`; bad rows are kept, flagged, under
+    data.on_bad_image=skip).
     """
     import ray.data
 
     from yatt_ray.data.images import decode_images_batch
 
     reader = ray.data.read_parquet if _format(files[0]) == "parquet" else ray.data.read_json
-    ds = reader(files).map_batches(canonical_columns(data, images=pixels is not None), batch_format="numpy")
+    canonical = canonical_columns(data, images=pixels is not None, files=files)
+    ds = reader(files, include_paths=len(files) > 1).map_batches(canonical, batch_format="numpy")
     if data.shuffle_seed is not None:
         ds = ds.random_shuffle(seed=data.shuffle_seed)
     if pixels is not None:
@@ -393,9 +525,12 @@ def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
     return ds
 
 
-def canonical_columns(data: DataConfig, images: bool = False):
+def canonical_columns(data: DataConfig, images: bool = False, files: list[str] | None = None):
     """The batch function (column -> values, for `Dataset.map_batches`) that maps the configured columns (dotted
-    keys into struct columns included) to PROMPT_COLUMNS, and with `images` the image column to "images"."""
+    keys into struct columns included) to PROMPT_COLUMNS, and with `images` the image column to "images".
+
+    With several `files` (the list given to the read), the batch must carry the read's "path" column (Ray Data's
+    `include_paths=True`: the path without its protocol); each id becomes `qualified_id` of its file's name."""
     keys = {
         "id": data.id_key,
         "prompt": data.prompt_key,
@@ -403,12 +538,38 @@ def canonical_columns(data: DataConfig, images: bool = False):
         "data_source": data.source_key,
         **({"images": data.image_key} if images else {}),
     }
-    defaults = {"id": -1, "data_source": "default"}
+    defaults = {"id": NO_ID, "data_source": "default"}
+    names = {_bare(url): name for url, name in id_prefixes(list(files or [])).items()}
 
     def to_canonical(batch: dict) -> dict:
         n = len(next(iter(batch.values()))) if batch else 0
         out = {name: _batch_column(batch, col, defaults.get(name), n) for name, col in keys.items()}
         out["ground_truth"] = [str(v) for v in out["ground_truth"]]
+        if names:
+            if "path" not in batch:
+                raise DataError(
+                    f"a batch read from {len(names)} data files carries no 'path' column, so its rows' files are "
+                    "unknown; read them with include_paths=True (as build_dataset does)"
+                )
+            files_of = [_file_name(str(p), names) for p in batch["path"]]
+            out["id"] = np.asarray(
+                [qualified_id(f, v) if has_id(v) else "" for f, v in zip(files_of, out["id"])], dtype=object
+            )
         return out
 
     return to_canonical
+
+
+def _file_name(path: str, names: dict[str, str]) -> str:
+    """The name (`id_prefixes`) of the file that Ray Data reports as `path`: the one whose URL is `path` up to
+    its protocol, else the one file whose URL ends with it or that it ends with (at a "/")."""
+    bare = _bare(path)
+    if bare in names:
+        return names[bare]
+    near = [name for url, name in names.items() if url.endswith("/" + bare) or bare.endswith("/" + url)]
+    if len(near) != 1:
+        raise DataError(
+            f"Ray Data read a row from {path!r}, which matches {'none' if not near else 'several'} of the data "
+            f"files {sorted(names)}; list the files by the paths the read reports (absolute paths or full URLs)"
+        )
+    return near[0]

@@ -43,6 +43,14 @@ class MetricsHub:
     def __init__(self) -> None:
         self._rows: list[MetricRow] = []
         self._spans: list[WireSpan] = []
+        self._marks: dict[str, float] = {}  # start-up stage -> wall-clock time (`metrics.startup`)
+
+    def mark(self, stage: str, at: float) -> None:
+        """A start-up stage reached at `at` (the first mark of a stage wins: a restart does not move it)."""
+        self._marks.setdefault(str(stage), float(at))
+
+    def marks(self) -> dict[str, float]:
+        return dict(self._marks)
 
     def push(self, row: MetricRow) -> None:
         """Append a row; a kind it does not know, or a value that is not a number, is refused."""
@@ -86,3 +94,10 @@ class HubLink:
         import ray
 
         return ray.get(self.hub.rows_since.remote(index), timeout=self.timeout_s)
+
+    def mark(self, stage: str, at: float | None = None) -> None:
+        """Tell the driver a start-up stage was reached (now, or at `at`; `yatt_ray.metrics.startup`); not
+        waited for."""
+        import time
+
+        self.hub.mark.remote(stage, time.time() if at is None else at)

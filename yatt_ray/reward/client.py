@@ -1,18 +1,24 @@
 """The controller's side of GenRM: send samples to the Serve deployment, gather exactly one verdict each.
 
 `submit` sends one request per sample through a Serve handle and returns at once (in partial coexistence it
-is called as each prompt's samples finish generating, so judging overlaps generation). `collect` waits for
-the verdicts. A request whose replica dies (or whose batch fails) is cancelled and sent again; one that
-outlives `reward.genrm.timeout_s` is waited for again where it is (a resend would queue behind every sample
-sent since); each counts as a retry, up to `max_retries`. Verdicts are kept by the sample's key, and only the
-live attempt of a key is ever read, so a retried sample is scored once. Past the retries, `GenRMError` names
-the samples lost.
+is called as each prompt's samples finish generating, so judging overlaps generation). `collect(keys)` waits
+for those samples' verdicts; the other requests go on being judged. `discard(keys)` drops samples whose
+verdicts are no longer wanted (in partial coexistence: the streamed samples of a group the step did not
+take): their requests are cancelled and forgotten, so nothing is kept past its step. A request whose replica
+dies (or whose batch fails) is cancelled and sent again; one that outlives `reward.genrm.timeout_s` is waited
+for again where it is (a resend would queue behind every sample sent since); each counts as a retry, up to
+`max_retries`. Verdicts are kept by the sample's key, and only the live attempt of a key is ever read, so a
+retried sample is scored once, and a key is read (or discarded) once. Past the retries, `GenRMError` names
+the samples lost, and every request is cancelled. Serve's INFO line for each cancelled request ("Cancelling
+request that has already been assigned to a replica") is filtered out: the client cancels on purpose.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +26,11 @@ from yatt_ray.errors import YattError
 from yatt_ray.reward.genrm import APP_NAME, JudgeRequest, Verdict
 
 log = logging.getLogger(__name__)
+_SERVE_CANCEL_NOTE = "Cancelling request that has already been assigned to a replica"
+
+
+def _not_a_cancel_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_SERVE_CANCEL_NOTE)
 
 
 class GenRMError(YattError):
@@ -41,6 +52,9 @@ class GenRMClient:
     def __init__(self, timeout_s: float, max_retries: int, connect_timeout_s: float) -> None:
         self.timeout_s, self.max_retries = timeout_s, max_retries
         self.handle = _app_handle(connect_timeout_s)
+        serve_log = logging.getLogger("ray.serve")  # Serve's logger (SERVE_LOGGER_NAME)
+        if _not_a_cancel_note not in serve_log.filters:
+            serve_log.addFilter(_not_a_cancel_note)
         self.pending: dict[str, _Pending] = {}
         self.retries = 0
 
@@ -52,23 +66,47 @@ class GenRMClient:
                 )
             self.pending[r.key] = _Pending(r, self.handle.judge.remote(r))
 
-    def collect(self) -> dict[str, Verdict]:
-        """Every submitted sample's verdict, by key; clears the pending set."""
+    def collect(self, keys: Iterable[str] | None = None) -> dict[str, Verdict]:
+        """The verdicts of `keys` (default: every pending sample), by key; they leave the pending set, the
+        other samples stay in it (still being judged). A key that is not pending (never submitted, or already
+        collected or discarded) raises `GenRMError`: each sample's verdict is read once."""
+        wanted = list(self.pending) if keys is None else list(keys)
+        unknown = [k for k in wanted if k not in self.pending]
+        twice = [k for k, count in Counter(wanted).items() if count > 1]
+        if unknown or twice:
+            raise GenRMError(
+                f"GenRM verdicts asked for samples not pending {unknown[:5]!r} ({len(unknown)} in all) or "
+                f"more than once {twice[:5]!r}: a sample must be submitted before it is scored, and is scored "
+                "(or discarded) once; this is a bug in the caller"
+            )
         done: dict[str, Verdict] = {}
-        while self.pending:
-            key, item = next(iter(self.pending.items()))
-            left = max(self.timeout_s - (time.time() - item.sent_at), 0.01)
-            try:
-                done[key] = item.response.result(timeout_s=left)
-                del self.pending[key]
-            except Exception as exc:  # a dead replica, a timeout, a failed batch: send the sample again
-                self._retry(key, item, exc)
+        for key in wanted:
+            while key not in done:
+                item = self.pending[key]
+                left = max(self.timeout_s - (time.time() - item.sent_at), 0.01)
+                try:
+                    done[key] = item.response.result(timeout_s=left)
+                    del self.pending[key]
+                except Exception as exc:  # a dead replica, a timeout, a failed batch: send the sample again
+                    self._retry(key, item, exc)
         return done
+
+    def discard(self, keys: Iterable[str]) -> int:
+        """Stop waiting for `keys`: their requests are cancelled (best effort: Serve drops a request still
+        queued or waiting for its batch; one in a running batch finishes on the replica and its verdict is
+        thrown away) and forgotten. Keys that are not pending are skipped (a sample that was never submitted).
+        Returns the number dropped."""
+        dropped = 0
+        for key in keys:
+            item = self.pending.pop(key, None)
+            if item is not None:
+                item.response.cancel()
+                dropped += 1
+        return dropped
 
     def _retry(self, key: str, item: _Pending, exc: Exception) -> None:
         if item.attempts > self.max_retries:
-            lost = len(self.pending)
-            self.pending.clear()
+            lost = self.discard(list(self.pending))  # the step fails: nothing stays pending past it
             raise GenRMError(
                 f"GenRM failed for sample {key!r} after {item.attempts} attempts ({type(exc).__name__}: {exc}); "
                 f"{lost} sample(s) of this step unscored. Check the GenRM replicas' logs, raise "

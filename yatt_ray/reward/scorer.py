@@ -8,6 +8,12 @@ A verdict the parser cannot read is counted (`genrm/parse_failures`) and replace
 `reward.genrm.on_parse_error`: zero (0.0), rule (that sample's rule reward) or raise (GenRMError).
 A rule function that raises on a sample is handled per `reward.on_error`: raise (RewardError naming the
 sample) or zero (rule reward 0.0, counted in `reward/errors`); a non-numeric or NaN return always raises.
+
+Nothing outlives its step: `scores` reads exactly the verdicts of the samples it is given (the others go on
+being judged), `discard` cancels and forgets the samples a step submitted but does not score (in partial
+coexistence the streamed samples of a group that finished past the need), and a failed `scores` drops its
+samples' requests. `held()` counts what is still awaited; it is 0 at the end of every step
+(`genrm/held`), however long the run.
 """
 
 from __future__ import annotations
@@ -70,14 +76,33 @@ class RewardScorer:
             self.client = GenRMClient(config.genrm.timeout_s, config.genrm.max_retries, connect_timeout_s)
         self.parse_failures = 0
         self.rule_errors = 0  # samples the rule function raised on (reward.on_error=zero)
-        self.verdicts: dict[str, Verdict] = {}  # collected, not yet used
+        self.discarded = 0  # submitted samples dropped unscored (their group was not taken)
 
     def submit(self, samples: list[Sample]) -> None:
         if self.client is not None:
             self.client.submit([JudgeRequest(s.key, s.prompt, s.response, s.ground_truth) for s in samples])
 
     def scores(self, samples: list[Sample]) -> list[float]:
-        """Rewards in `samples` order; every sample must have been submitted (no-op in rule mode)."""
+        """Rewards in `samples` order; every sample must have been submitted, and is scored once (GenRM
+        modes). Waits for these samples' verdicts only. On an error, their requests are dropped too."""
+        try:
+            return self._scores(samples)
+        except BaseException:
+            self.discard(samples)  # the step fails: none of its requests stays pending
+            raise
+
+    def discard(self, samples: list[Sample]) -> None:
+        """Drop `samples` unscored: cancel their GenRM requests and forget them (the ones never submitted are
+        skipped). For samples submitted early whose group the step does not take; counted in
+        `genrm/discarded`. A later `scores` of one of them raises `GenRMError`."""
+        if self.client is not None:
+            self.discarded += self.client.discard(s.key for s in samples)
+
+    def held(self) -> int:
+        """Samples submitted and neither scored nor discarded (their requests still held by the client)."""
+        return 0 if self.client is None else len(self.client.pending)
+
+    def _scores(self, samples: list[Sample]) -> list[float]:
         items = [(s.response, s.ground_truth, s.data_source) for s in samples]
         rules: list[float | None] = [None] * len(items)
         if self.uses_rule:
@@ -85,10 +110,10 @@ class RewardScorer:
             rules, self.rule_errors = list(scores), self.rule_errors + errors
         if self.client is None:
             return [float(r) for r in rules]  # type: ignore[arg-type]
-        self.verdicts.update(self.client.collect())
+        verdicts = self.client.collect(s.key for s in samples)
         out = []
         for s, rule in zip(samples, rules):
-            verdict = self.verdicts.pop(s.key)
+            verdict = verdicts[s.key]
             genrm, failed = resolve_verdict(verdict, rule, self.config.genrm.on_parse_error)
             self.parse_failures += failed
             out.append(combine(rule, genrm, self.config.mode, self.config.genrm_weight))
@@ -96,7 +121,9 @@ class RewardScorer:
 
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call: `reward/errors` (the rule function raised; reward.on_error=zero) and
-        the GenRM counters. The keys follow from the config alone (the controllers sum them collectively)."""
+        the GenRM counters: parse failures, retries, samples discarded unscored, and `genrm/held` (samples
+        still awaited: 0 once the step has scored or discarded all it submitted). The keys follow from the
+        config alone (the controllers sum them collectively)."""
         stats: dict[str, float] = {}
         if self.uses_rule and self.config.on_error == "zero":
             stats["reward/errors"] = float(self.rule_errors)
@@ -105,5 +132,7 @@ class RewardScorer:
             return stats
         stats["genrm/parse_failures"] = float(self.parse_failures)
         stats["genrm/retries"] = float(self.client.retries)
-        self.parse_failures, self.client.retries = 0, 0
+        stats["genrm/discarded"] = float(self.discarded)
+        stats["genrm/held"] = float(self.held())
+        self.parse_failures, self.client.retries, self.discarded = 0, 0, 0
         return stats

@@ -213,6 +213,14 @@ class RolloutEngine(Protocol):
         """Free the engine; idempotent. The object is unusable afterwards."""
         ...
 
+    def rng_state(self) -> dict[str, torch.Tensor | None]:
+        """The position of the engine's own sampling stream (`PrivateRng.state_dict`), for checkpoints."""
+        ...
+
+    def set_rng_state(self, state: dict[str, torch.Tensor | None]) -> None:
+        """Continue the sampling stream from a `rng_state()` (a resumed run samples as the uninterrupted one)."""
+        ...
+
 
 def validate_prompts(
     prompts: list[list[int]], spec: SamplingSpec, max_model_len: int, vocab_size: int
@@ -306,6 +314,19 @@ class PrivateRng:
             cuda = gen.get_state()
             gen.set_state(saved)
         return cpu, cuda
+
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        """The stream's position: {"cpu": ByteTensor, "cuda": ByteTensor or None} (copies; checkpoints hold it)."""
+        cuda = None if self._cuda_state is None else self._cuda_state.clone()
+        return {"cpu": self._cpu_state.clone(), "cuda": cuda}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
+        """Continue from a `state_dict` (its CUDA state only where both streams have one)."""
+        cpu, cuda = state["cpu"], state.get("cuda")
+        assert cpu is not None, "a PrivateRng state always holds the CPU generator's"
+        self._cpu_state = cpu.clone()
+        if cuda is not None and self._cuda_state is not None:
+            self._cuda_state = cuda.clone()
 
     @contextmanager
     def active(self, seed: int | None = None) -> Iterator[None]:

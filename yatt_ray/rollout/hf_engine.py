@@ -163,9 +163,9 @@ class HFEngine:
         prompt is left in them, and prompts with an unfinished row are None.
 
         `images` (LLaVA models only): one entry per prompt, that prompt's pixel_values [I_k, C, H, W] (the
-        image processor's output, images in the order of their image-token runs in the prompt) or None for a
-        text-only prompt. Every sample of the prompt sees its images. The prompt must hold exactly
-        I_k * `tokens_per_image` image tokens (`image_token_id`), already expanded.
+        image processor's output, images in the order of their image-token runs in the prompt; I_k = 0 for a
+        prompt without images) or None for a text-only prompt. Every sample of the prompt sees its images. The
+        prompt must hold exactly I_k * `tokens_per_image` image tokens (`image_token_id`), already expanded.
         """
         self._check_usable("generate")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
@@ -304,7 +304,8 @@ class HFEngine:
                 c, h, w = self._image_size
                 raise ConfigError(
                     f"images[{i}] has shape {shape}; the model takes pixel_values [I, {c}, {h}, {w}]: the "
-                    "output of the model directory's image processor"
+                    "output of the model directory's image processor (a prompt without images: None or "
+                    f"[0, {c}, {h}, {w}], as prompts.PromptEncoder gives it)"
                 )
             try:
                 check_image_count(
@@ -373,6 +374,13 @@ class HFEngine:
         del self._model
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def rng_state(self) -> dict[str, torch.Tensor | None]:
+        """The sampling stream's position (checkpoints save it; see `RolloutEngine.rng_state`)."""
+        return self._rng.state_dict()
+
+    def set_rng_state(self, state: dict[str, torch.Tensor | None]) -> None:
+        self._rng.load_state_dict(state)
 
     def _check_usable(self, what: str) -> None:
         if self._closed:

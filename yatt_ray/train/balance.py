@@ -17,8 +17,11 @@ One exchange, on every rank of the data-parallel process group (a collective):
   4. the rows of each moved unit go worker to worker (`batch_isend_irecv`, one byte message per rank pair;
      on CUDA when the group's backend is NCCL, else on the CPU for gloo), never through a driver;
   5. each rank joins what it holds into one batch (`yatt_ray.batch.concat`: prompts left-padded, responses
-     right-padded to the widest; `group_size` = the s used), and keeps a `Restore` that sends per-row
-     results back.
+     right-padded to the widest, image slots zero-padded to the most; `group_size` = the s used), and keeps a
+     `Restore` that sends per-row results back.
+A vision batch's `pixel_values` [N, I, C, H, W] and `image_count` [N] are row fields like the others: a row's
+images travel with it, and a row without images (count 0; every row of a rank may be one, I = 0) is a text
+row.
 """
 
 from __future__ import annotations
@@ -365,12 +368,18 @@ def exchange(
 
 
 def _check_same_layout(shards: list[_Shard]) -> None:
-    """Every rank must set the same row fields (dtypes included) and use the same group size."""
-    layouts = [(s.group_size, tuple((k, d) for k, d, _ in s.fields)) for s in shards]
+    """Every rank must set the same row fields (dtypes included), use the same group size and, with images,
+    the same image shape (C, H, W) of `pixel_values` [N, I, C, H, W] (the slot count I may differ, 0 on a rank
+    whose rows have no image: `concat` pads it)."""
+    layouts = [
+        (s.group_size, tuple((k, d, t[1:] if k == "pixel_values" else ()) for k, d, t in s.fields))
+        for s in shards
+    ]
     if any(lay != layouts[0] for lay in layouts):
         raise ValueError(
-            f"balance.exchange: the ranks' batches differ in group size or row fields: {layouts}; every rank "
-            "must reach the exchange after the same phases (same fields set, same rollout.n)"
+            f"balance.exchange: the ranks' batches differ in group size, row fields or image shape: "
+            f"{layouts}; every rank must reach the exchange after the same phases (same fields set, same rollout.n), its "
+            "pixels from `batch.stack_images` (a rank without images: [N, 0, C, H, W])"
         )
 
 

@@ -1,0 +1,64 @@
+"""Seconds from the command to the first RL step, by stage, as a user runs the demo.
+
+    python release/bench_startup.py                    # examples/grpo.py, 3 steps, twice (the first warms caches)
+    python release/bench_startup.py --runs 1 train.dp_size=1
+
+Each run is `python examples/grpo.py train.steps=3 ...` in a fresh process, timed from its start (the
+driver's process start: imports included) by the stage marks the library writes to `startup.json`
+(`yatt_ray/metrics/startup.py`). The first run of a fresh machine builds and warms up the demo model; the
+figures are from the last run (a warm machine: packages installed, demo model cached). Prints the stage table
+of the last run, then one line:
+
+    startup: first_step_s=<command -> end of step 1> step1_over_step3=<time/step of step 1 / of step 3>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from yatt_ray.metrics.startup import first_step_seconds, format_table  # noqa: E402
+
+
+def one_run(out: Path, overrides: list[str]) -> tuple[dict[str, float], list[dict]]:
+    """Run the demo in a fresh process; (start-up marks, train rows of metrics.jsonl)."""
+    command = [sys.executable, str(REPO / "examples" / "grpo.py"), "train.steps=3", f"output.dir={out}",
+               "output.progress=false", *overrides]  # fmt: skip
+    subprocess.run(command, check=True, cwd=REPO, env=os.environ.copy())
+    run_dir = max(p for p in out.iterdir() if p.is_dir())
+    marks = json.loads((run_dir / "startup.json").read_text())["marks"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return marks, [r for r in rows if "time/step" in r]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=2, help="runs in a row; the last one is reported")
+    args, overrides = parser.parse_known_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            marks, rows = one_run(Path(tmp) / f"run{i}", overrides)
+            total = first_step_seconds(marks)
+            print(f"run {i + 1}: command -> end of step 1 {total:.1f} s", flush=True)
+    print(format_table(marks))
+    by_step = {int(r["step"]): r["time/step"] for r in rows}
+    ratio = by_step[1] / by_step[3] if 1 in by_step and 3 in by_step else float("nan")
+    for r in rows:  # where each of the first steps goes
+        phases = ("rollout", "reward", "logprobs", "train", "weight_sync", "orchestration")
+        parts = ", ".join(f"{p} {r[f'time/{p}']:.2f}" for p in phases if f"time/{p}" in r)
+        print(f"step {int(r['step'])}: {r['time/step']:.2f} s ({parts})")
+    print(f"startup: first_step_s={first_step_seconds(marks):.1f} step1_over_step3={ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
