@@ -148,9 +148,7 @@ class GroupController:
         self.attempt = self.checkpoints.attempt_number()
         self.resumed = self.checkpoints.resume(self.state, restart=self.attempt > 1)
         if self.resumed is not None:
-            self.kl_ctl.value = self.resumed.kl_coef
-            if self.config.algo.dynamic_sampling != "off":  # draws as it did before the stop
-                self.keep_rate = self.resumed.keep_rate
+            self.apply_resumed(self.resumed)
         epoch, position = (self.resumed.epoch, self.resumed.position) if self.resumed else (0, {})
         dataset = loop_config["train_dataset"]
         splits = share_splits(open_splits(dataset, self.layout.dp_size, epoch, position) if rank0 else None)
@@ -160,6 +158,13 @@ class GroupController:
             carried = position if dp == 0 else {}  # the checkpoint's union, kept by one group
             self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
             self.state.feed = self.prompt_feed
+
+    def apply_resumed(self, resumed: Resumed) -> None:
+        """The loop's own state from a checkpoint: the KL coefficient, and dynamic sampling's keep rate only
+        when dynamic sampling is on (else it would size every draw by a rate nothing updates)."""
+        self.kl_ctl.value = resumed.kl_coef
+        if self.config.algo.dynamic_sampling != "off":  # draws as it did before the stop
+            self.keep_rate = resumed.keep_rate
 
     def attach_engine(self, engine) -> None:
         """The controller's rollout engine (None on other ranks), started once the prompt streams opened; a
