@@ -256,6 +256,11 @@ def _run(
         if genrm_first:  # partial coexistence (or no GPUs): the judges are up before the first rollout
             deploy_genrm(config, plan, hub)
         startup.mark("trainer_launched")
+        print(
+            f"starting {plan.num_workers} training worker(s), their models, rollout engines and prompt streams "
+            "(the closing report says how long the start took)",
+            flush=True,
+        )
         thread.start()
         if plan.genrm is not None and not genrm_first:
             _deploy_beside_trainers(config, plan, hub)

@@ -81,18 +81,21 @@ def replica_stats() -> dict[str, dict]:
     return {s["worker"]: s for s in (handle.stats.remote().result() for _ in range(30))}
 
 
-def both_replicas() -> dict[str, dict]:
-    """The counters of both replicas (stats calls until Serve has routed one to each)."""
+def both_replicas(timeout_s: float = 180.0) -> dict[str, dict]:
+    """The counters of both replicas (stats calls until Serve has routed one to each; a replica that an
+    earlier test killed may still be restarting, hence the wait)."""
     from ray import serve
 
     handle = serve.get_app_handle(APP_NAME)
     seen: dict[str, dict] = {}
-    for _ in range(300):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
         stats = handle.stats.remote().result()
         seen[stats["worker"]] = stats
         if len(seen) == 2:
             return seen
-    raise AssertionError(f"300 stats calls reached only {sorted(seen)}")
+        time.sleep(0.05)
+    raise AssertionError(f"stats calls for {timeout_s:.0f} s reached only {sorted(seen)}")
 
 
 def test_verdicts_follow_the_reference(two_replicas):
