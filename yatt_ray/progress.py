@@ -142,8 +142,9 @@ class DriverProgress:
                 first, last = sum(values[:k]) / k, sum(values[-k:]) / k
                 lines.append(f"  {key:<18} first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
         lines += perf_report_lines([r for r in self.history if "reward_mean" in r])
-        if self.startup is not None and report_line(self.startup.marks):
-            lines.append(report_line(self.startup.marks))
+        startup = report_line(self.startup.marks) if self.startup is not None else ""
+        if startup:
+            lines.append(startup)
         idle = idle_report_line(self.idle, self.spans)
         if idle:
             lines.append(idle)

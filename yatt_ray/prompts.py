@@ -87,9 +87,7 @@ class PromptEncoder:
             pixels = torch.from_numpy(
                 np.array(row[PIXELS], dtype=np.float32)
             )  # a copy: Ray hands read-only arrays
-            if (
-                len(pixels) == 0
-            ):  # no images: [0, C, H, W] in the model's shape (the data task gives [0, 3, 0, 0])
+            if len(pixels) == 0:  # no images: [0, C, H, W] in the model's shape (the data task: [0, 3, 0, 0])
                 pixels = torch.zeros((0, *self.layout.image_shape), dtype=torch.float32)
             ids = expand_image_tokens(ids, self.layout.token_id, self.layout.tokens_per_image, len(pixels))
         clipped = len(ids) > self.max_tokens
