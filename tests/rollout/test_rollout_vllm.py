@@ -7,6 +7,7 @@ that depends on the weights loads the ones it needs first, which is itself a use
 from __future__ import annotations
 
 import gc
+import sys
 
 import psutil
 import pytest
@@ -256,3 +257,25 @@ def test_finish_after_waits_for_the_prompts_it_must_keep(engine, ref, old_weight
     assert ref.token_ids([outs[longest]]) == ref.token_ids([reference[longest]])
     assert all(g is not None for g in outs)  # the longest finishes last: nothing is left to abort
     _assert_no_requests_left(engine)
+
+
+def test_the_kernel_rebinding_scan_covers_vllms_modules_and_no_others(monkeypatch):
+    """Start-up: vLLM's scan that points copies of its Triton kernels at their CPU fallbacks looks at vLLM's own
+    modules only (`_scan_vllm_modules_only`, 4.5 s of a trainer's engine start); a copy held by a vLLM module is
+    still rebound, and `sys` is the real one again afterwards."""
+    import types
+
+    from vllm.triton_utils import dispatcher
+
+    from yatt_ray.rollout.vllm_engine import _scan_vllm_modules_only
+
+    _scan_vllm_modules_only()
+    assert getattr(dispatcher._rebind_kernels, "vllm_modules_only", False)
+    kernel, wrapper = object(), object()
+    inside, outside = types.ModuleType("vllm.yatt_probe"), types.ModuleType("yatt_probe")
+    inside.copy = outside.copy = kernel
+    monkeypatch.setitem(sys.modules, inside.__name__, inside)
+    monkeypatch.setitem(sys.modules, outside.__name__, outside)
+    dispatcher._rebind_kernels([(kernel, wrapper)])
+    assert inside.copy is wrapper and outside.copy is kernel
+    assert dispatcher.sys is sys

@@ -226,3 +226,21 @@ def test_first_row_parquet_and_jsonl(tmp_path):
     assert first_row(data, [path]) == ("0+1=", "1", "add")
     lines = ["", *(json.dumps({"q": r["q"], "a": r["a"]}) for r in rows)]
     assert first_row(data, [write_jsonl(tmp_path / "t.jsonl", lines)]) == ("0+1=", "1", "default")
+
+
+def test_footer_readers_scale_with_the_file_count_and_keep_the_users_setting(monkeypatch):
+    """Ray Data starts 32 footer-reader actors (32 processes) for any parquet read; while a read is planned
+    the count is one per 10 files (at most 32), and a user's RAY_DATA_PARQUET_FOOTER_NUM_ACTORS wins."""
+    import os
+
+    from yatt_ray.data.sources import FOOTER_ENV, footer_readers
+
+    monkeypatch.delenv(FOOTER_ENV, raising=False)
+    for files, readers in ((1, "1"), (10, "1"), (11, "2"), (1000, "32")):
+        with footer_readers(files):
+            assert os.environ[FOOTER_ENV] == readers
+        assert FOOTER_ENV not in os.environ
+    monkeypatch.setenv(FOOTER_ENV, "7")
+    with footer_readers(1):
+        assert os.environ[FOOTER_ENV] == "7"
+    assert os.environ[FOOTER_ENV] == "7"

@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import re
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import fsspec
@@ -516,13 +518,35 @@ def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
 
     reader = ray.data.read_parquet if _format(files[0]) == "parquet" else ray.data.read_json
     canonical = canonical_columns(data, images=pixels is not None, files=files)
-    ds = reader(files, include_paths=len(files) > 1).map_batches(canonical, batch_format="numpy")
+    with footer_readers(len(files)):
+        ds = reader(files, include_paths=len(files) > 1).map_batches(canonical, batch_format="numpy")
     if data.shuffle_seed is not None:
         ds = ds.random_shuffle(seed=data.shuffle_seed)
     if pixels is not None:
         options = {"image_column": "images", "processor_fn": pixels, "on_bad_image": data.on_bad_image}
         ds = ds.map_batches(decode_images_batch, batch_format="numpy", fn_kwargs=options)
     return ds
+
+
+FOOTER_ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+FILES_PER_FOOTER_READER = 10  # Ray Data's footer batch: files one FooterReader reads per call
+
+
+@contextmanager
+def footer_readers(num_files: int) -> Iterator[None]:
+    """While a parquet read is planned (Ray Data builds its file indexer then, on this process): one footer
+    reader actor per `FILES_PER_FOOTER_READER` files, at most Ray's default of 32, unless the user set
+    RAY_DATA_PARQUET_FOOTER_NUM_ACTORS. Ray's default starts 32 actors (each a fresh Python process) for any
+    number of files; for the demo's one file that was 5-8 processes competing with the engines' start-up on
+    a 2-core box (command -> step 1: 45 s -> 34 s with one reader, `release/bench_startup.py`)."""
+    if FOOTER_ENV in os.environ:
+        yield
+        return
+    os.environ[FOOTER_ENV] = str(min(32, max(1, -(-num_files // FILES_PER_FOOTER_READER))))
+    try:
+        yield
+    finally:
+        os.environ.pop(FOOTER_ENV, None)
 
 
 def canonical_columns(data: DataConfig, images: bool = False, files: list[str] | None = None):

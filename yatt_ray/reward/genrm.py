@@ -1,4 +1,5 @@
-"""GenRM: a generative judge served by Ray Serve.
+"""GenRM pieces: the wire types, templates and verdict parsers of the generative judge (no Ray Serve import:
+every controller imports this; the Serve replica class is `yatt_ray.reward.judge_replica.GenRMJudge`).
 
 A judge prompt is rendered from a template with the sample's `prompt`, `response` and `ground_truth`; the
 judge (any Hugging Face causal LM directory) generates a short verdict greedily; a parser turns the verdict
@@ -16,18 +17,13 @@ awake on its own slice.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import string
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ray import serve
-
 from yatt_ray.algos.registry import Registry
-from yatt_ray.config import GenRMConfig
 from yatt_ray.errors import ConfigError
 from yatt_ray.reward.rules import import_object
 
@@ -143,125 +139,3 @@ def resolve_parser(spec: str) -> Parser:
 def tp_kwargs(accelerators: int) -> dict[str, Any] | None:
     """vLLM arguments that spread one judge over the accelerators of its placement-group bundles."""
     return {"tensor_parallel_size": accelerators} if accelerators > 1 else None
-
-
-class GenRMJudge:
-    """The Serve deployment's class: one judge engine per replica, batched greedy verdicts.
-
-    `settings` is the run's `reward.genrm` section (resolved on the driver); `release_when_idle` is set in full
-    coexistence; `hub` (the run's MetricsHub) receives the replica's busy spans for the timeline.
-    """
-
-    def __init__(self, settings: GenRMConfig, release_when_idle: bool, hub: Any = None) -> None:
-        import os
-
-        from transformers import AutoTokenizer
-
-        from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator
-        from yatt_ray.rollout import ENGINE_DTYPES, SamplingSpec, make_engine
-
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        self.settings = settings
-        self.template = resolve_template(settings.template)
-        self.parser = resolve_parser(settings.parser)
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.path)
-        self.max_prompt_tokens = settings.max_prompt_tokens
-        self.engine = make_engine(
-            settings.engine,
-            settings.path,
-            seed=0,
-            dtype=ENGINE_DTYPES[settings.dtype],
-            kv_cache_gb=settings.kv_cache_gb,
-            max_model_len=self.max_prompt_tokens + settings.max_new_tokens,
-            engine_kwargs=tp_kwargs(settings.accelerators_per_replica),
-        )
-        eos = self.tokenizer.eos_token_id
-        self.spec = SamplingSpec(
-            n=1, max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=(eos,)
-        )
-        self.judge.set_max_batch_size(settings.batch_size)  # type: ignore[attr-defined]  # serve.batch
-        self.judge.set_batch_wait_timeout_s(settings.batch_wait_s)  # type: ignore[attr-defined]
-        self.release_when_idle = release_when_idle
-        self.idle_release_s = settings.idle_release_s
-        self.hub = hub
-        self.worker = f"genrm-{os.getpid()}"
-        self.recorder = SpanRecorder("genrm", self.worker, local_accelerator(self.worker))
-        self.asleep = False
-        self.last_batch_end = time.time()
-        self.batches = self.requests = 0
-        self.idle_task: asyncio.Task | None = None
-        if release_when_idle:
-            self._release()
-
-    def _wake(self) -> None:
-        if self.asleep:
-            with self.recorder.span("load", step=0):
-                self.engine.wake()
-            self.asleep = False
-
-    def _release(self) -> None:
-        if not self.asleep:
-            with self.recorder.span("release", step=0):
-                self.engine.sleep()
-            self.asleep = True
-
-    async def _release_when_idle(self) -> None:
-        """Full coexistence: give the accelerator back once no batch came for `idle_release_s`."""
-        while True:
-            await asyncio.sleep(self.idle_release_s / 2)
-            if not self.asleep and time.time() - self.last_batch_end > self.idle_release_s:
-                self._release()
-                self._push_spans()
-
-    def judge_texts(self, requests: list[JudgeRequest]) -> list[Verdict]:
-        """Render, generate and parse one batch (synchronous: the engine is not thread-safe)."""
-        prompts = []
-        for r in requests:
-            ids = self.tokenizer(self.template(r.prompt, r.response, r.ground_truth))["input_ids"]
-            prompts.append(ids[-self.max_prompt_tokens :])
-        outs = self.engine.generate(prompts, self.spec)
-        verdicts = []
-        for r, group in zip(requests, outs):
-            text = str(self.tokenizer.decode(group[0].token_ids, skip_special_tokens=True))
-            verdicts.append(Verdict(r.key, self.parser(text), text))
-        return verdicts
-
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.01)
-    async def judge(self, requests: list[JudgeRequest]) -> list[Verdict]:
-        """Callers send one JudgeRequest each; `serve.batch` hands this method a list of them."""
-        if self.release_when_idle and self.idle_task is None:
-            self.idle_task = asyncio.get_running_loop().create_task(self._release_when_idle())
-        self._wake()
-        with self.recorder.span("judge", step=0):
-            verdicts = self.judge_texts(requests)
-        self.batches += 1
-        self.requests += len(requests)
-        self.last_batch_end = time.time()
-        self._push_spans()
-        return verdicts
-
-    def _push_spans(self) -> None:
-        if self.hub is not None:
-            from yatt_ray.metrics.timeline import to_wire
-
-            self.hub.push_spans.remote(to_wire(self.recorder.drain()))
-
-    def stats(self) -> dict[str, Any]:
-        """This replica's counters: its worker name, batches run and requests judged."""
-        return {
-            "worker": self.worker,
-            "batches": self.batches,
-            "requests": self.requests,
-            "asleep": self.asleep,
-        }
-
-    async def __call__(self, request: Any) -> dict[str, Any]:
-        """HTTP (only when `reward.genrm.http_port` is set): POST {"prompt", "response", "ground_truth"}."""
-        body = await request.json()
-        missing = {"prompt", "response", "ground_truth"} - set(body)
-        if missing:
-            return {"error": f"missing field(s) {sorted(missing)}"}
-        verdict = await self.judge(
-            JudgeRequest("http", body["prompt"], body["response"], body["ground_truth"])
-        )
-        return {"score": verdict.score, "text": verdict.text}

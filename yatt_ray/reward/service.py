@@ -15,7 +15,8 @@ from typing import Any
 from yatt_ray.config import Config, GenRMConfig
 from yatt_ray.errors import PlacementError
 from yatt_ray.placement import GenRMSlice, PlacementPlan
-from yatt_ray.reward.genrm import APP_NAME, GenRMJudge
+from yatt_ray.reward.genrm import APP_NAME
+from yatt_ray.reward.judge_replica import GenRMJudge
 
 log = logging.getLogger(__name__)
 
