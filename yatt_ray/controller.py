@@ -188,11 +188,13 @@ class GroupController:
         if first_eval:
             self._push("eval", {"step": 0, **first_eval})
             self._mark("first_eval_done")
+        if self.prompt_feed is not None:  # the stream read on while the engine loaded and the eval ran
+            self.prompt_feed.prime()
+            self._mark("first_batch")
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.train.steps + 1):
             last = self.step(step)
             if step == start + 1 and self.prompt_feed is not None:
-                self._mark("first_batch", self.prompt_feed.first_batch_at)
                 self._mark("first_step_done")
             self._push("train", {**last, **self.checkpoints.metrics()})
             if self.layout.is_controller:

@@ -180,17 +180,30 @@ def test_a_resumed_run_samples_what_the_uninterrupted_run_sampled(ray_cluster, d
     assert step_3(resumed) == pytest.approx(step_3(uninterrupted), abs=1e-6)
 
 
-def test_sigterm_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache, tmp_path):
+def test_sigterm_then_ctrl_c_each_save_and_stop_and_the_next_run_resumes(ray_cluster, demo_cache, tmp_path):
+    """SIGTERM (a scheduler's stop) stops the first run after its first commit, with a checkpoint of the step
+    it stopped at; the second run resumes from there and is stopped by Ctrl-C (SIGINT, as a notebook's
+    interrupt sends it: no traceback), again saved where it stopped; a third run resumes and finishes. One
+    curve, each prompt trained once."""
     ckpt = str(tmp_path / "ckpt")
-    when(lambda: bool(committed_steps(ckpt)), lambda: os.kill(os.getpid(), signal.SIGTERM))
-    # 16 steps: a demo step takes well under a second, and the first commit (step 2) lands a few steps later
-    first = short_run(ckpt, tmp_path, 16)
-    assert first.stopped == "SIGTERM"
-    stopped_at = train_steps(first)[-1]
-    assert stopped_at < 16 and committed_steps(ckpt)[-1] == stopped_at  # saved at the step it stopped
-    second = short_run(ckpt, tmp_path, 16)
-    assert second.metric("checkpoint/resumed_from") == [float(stopped_at)]
-    assert train_steps(second) == list(range(1, 17))
+    stopped_at = []
+
+    def signal_after_a_commit_past(last: int, sig: signal.Signals) -> None:
+        when(lambda: any(s > last for s in committed_steps(ckpt)), lambda: os.kill(os.getpid(), sig))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal_after_a_commit_past(max(stopped_at, default=0), sig)
+        # 16 steps: a demo step takes well under a second, and the next commit lands a few steps later
+        run = short_run(ckpt, tmp_path, 16)
+        assert run.stopped == sig.name
+        if stopped_at:
+            assert run.metric("checkpoint/resumed_from") == [float(stopped_at[-1])]
+        stopped_at.append(train_steps(run)[-1])
+        assert stopped_at[-1] < 16 and committed_steps(ckpt)[-1] == stopped_at[-1]  # saved where it stopped
+    assert stopped_at[0] < stopped_at[1], stopped_at
+    last = short_run(ckpt, tmp_path, 16)
+    assert last.metric("checkpoint/resumed_from") == [float(stopped_at[-1])]
+    assert train_steps(last) == list(range(1, 17))
     assert_each_prompt_once(ckpt, 16)
 
 
@@ -207,20 +220,6 @@ def test_a_chain_of_resumes_on_changing_worker_counts_trains_each_prompt_once(
     assert all(r["rollout_logp_diff"] < 0.05 for r in first.history if "reward_mean" in r)
     assert third.metric("checkpoint/resumed_from") == [4.0] and train_steps(third) == list(range(1, 7))
     assert_each_prompt_once(ckpt, 6)
-
-
-def test_ctrl_c_saves_and_stops_then_a_new_run_resumes(ray_cluster, demo_cache, tmp_path):
-    """Ctrl-C (SIGINT) in the driver, as a notebook's interrupt sends it: no traceback, a checkpoint of the
-    step it stopped at, and `fit()` again continues from there."""
-    ckpt = str(tmp_path / "ckpt")
-    when(lambda: bool(committed_steps(ckpt)), lambda: os.kill(os.getpid(), signal.SIGINT))
-    first = short_run(ckpt, tmp_path, 16)  # 16 steps: see the SIGTERM test
-    assert first.stopped == "SIGINT"
-    stopped_at = train_steps(first)[-1]
-    assert stopped_at < 16 and committed_steps(ckpt)[-1] == stopped_at
-    second = short_run(ckpt, tmp_path, 16)
-    assert second.metric("checkpoint/resumed_from") == [float(stopped_at)]
-    assert_each_prompt_once(ckpt, 16)
 
 
 def test_full_disk_during_a_save_keeps_training(ray_cluster, demo_cache, tmp_path, caplog):

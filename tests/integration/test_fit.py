@@ -97,6 +97,12 @@ def test_outputs_written(run):
     import glob
 
     assert glob.glob(f"{out}/tensorboard/events.out.tfevents.*")
+    from yatt_ray.metrics.startup import STAGE_NAMES
+
+    marks = json.loads(Path(out, "startup.json").read_text())["marks"]
+    assert set(marks) == set(STAGE_NAMES), set(STAGE_NAMES) ^ set(marks)  # the demo reaches every stage
+    assert sorted(marks, key=marks.get) == list(STAGE_NAMES)  # in run order: the stream is waited for
+    # before step 1 starts, so step 1 holds no cold start
 
 
 def test_final_checkpoint_is_a_hf_directory(run):

@@ -47,6 +47,17 @@ def test_requeued_rows_come_first_and_are_not_consumed():
     assert sorted(feed.consumed[0]) == list(range(8))
 
 
+def test_priming_waits_for_the_first_batch_and_neither_consumes_nor_reorders():
+    """Start-up waits for the stream's first batch before step 1 (`prime`); the rows then come in stream order,
+    none consumed, and a second prime reads nothing more."""
+    feed = PromptFeed(Shard(list(range(10))), [], batch_size=4)
+    at = feed.prime()
+    assert at == feed.first_batch_at and feed.consumed == {} and not feed.queue
+    assert feed.prime() == at and len(feed._buffer) == 4  # one batch read, not two
+    batch = next(feed)
+    assert batch["id"].tolist() == [0, 1, 2, 3] and sorted(feed.consumed[0]) == [0, 1, 2, 3]
+
+
 def test_a_step_crosses_the_epoch_end_and_each_row_keeps_its_epoch():
     feed = PromptFeed(Shard(list(range(6))), [], batch_size=4)
     next(feed)

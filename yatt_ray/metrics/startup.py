@@ -27,7 +27,10 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("data_opened", "resume decided, the prompt streams opened (Ray Data reads from here on)"),
     ("engine_started", "the rollout engine loaded the model (while the streams read)"),
     ("first_eval_done", "greedy evaluation of the initial policy (when there is an eval set)"),
-    ("first_batch", "the first prompts reached the controller"),
+    (
+        "first_batch",
+        "the first prompts are at the controller (waited for before step 1: the stream's cold start)",
+    ),
     ("first_step_done", "step 1 generated, scored and trained"),
 )
 STAGE_NAMES = tuple(name for name, _ in STAGES)
