@@ -45,6 +45,9 @@ def ray_cluster(tmp_path_factory, demo_cache):
     import ray
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    # No cloud reclaims this machine: no preemption-watcher actor (a process) for each run's Ray Train
+    # controller, as fit() does on the local cluster it starts (Ray Train passes the driver's value on).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
     gcs_port, dash_port = _free_port(), _free_port()
     # A loopback test cluster: token auth off (ray start turns it on when ~/.ray/auth_token exists, and

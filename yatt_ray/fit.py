@@ -183,11 +183,24 @@ def _model_sizes(config: Config):
     return ModelSizes(policy=param_count(config.model.path), critic=critic, judge=judge)
 
 
+_GPUS_ARE_REAL: dict[tuple, bool] = {}  # the GPU nodes of a cluster -> the probe's answer
+
+
 def _gpus_are_real(plan, timeout_s: float) -> bool:
     """Whether the GPUs the plan claims have CUDA behind them. A cluster may declare logical GPUs (CPU
-    tests of placement): the plan follows them, and the workers compute on their CPUs."""
+    tests of placement): the plan follows them, and the workers compute on their CPUs. Asked once per set
+    of GPU nodes in this process (the probe starts a worker process: 2 s a run on a 2-core machine)."""
     if not plan.uses_gpus:
         return False
+    import ray
+
+    nodes = tuple(sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")))
+    if nodes not in _GPUS_ARE_REAL:
+        _GPUS_ARE_REAL[nodes] = _probe_gpus(plan, timeout_s)
+    return _GPUS_ARE_REAL[nodes]
+
+
+def _probe_gpus(plan, timeout_s: float) -> bool:
     import ray
 
     @ray.remote(num_gpus=plan.gpus_per_worker, num_cpus=0)
