@@ -97,7 +97,7 @@ def test_full_places_one_judge_beside_each_trainer(full):
 
 def test_full_coexistence_releases_memory_between_phases(full):
     steps = [r for r in full.history if "reward_mean" in r]
-    assert all(r["memory/rollout_released_gb"] > 0.5 for r in steps)  # the 1 GiB KV cache, every step
+    assert all(r["memory/rollout_released_gb"] > 0.2 for r in steps)  # the 0.25 GiB KV cache, every step
     assert all(r["memory/trainer_offloaded_gb"] > 0.001 for r in steps)  # weights + Adam state of the policy
     trace = json.loads(Path(full.output_dir, "timeline.json").read_text())["traceEvents"]
     phases = {e["name"] for e in trace if e["ph"] == "X"}
