@@ -189,26 +189,27 @@ def test_sigterm_then_ctrl_c_each_save_and_stop_and_the_next_run_resumes(ray_clu
     it stopped at; the second run resumes from there and is stopped by Ctrl-C (SIGINT, as a notebook's
     interrupt sends it: no traceback), again saved where it stopped; a third run resumes and finishes. One
     curve, each prompt trained once."""
-    ckpt = str(tmp_path / "ckpt")
-    stopped_at = []
+    ckpt, steps = str(tmp_path / "ckpt"), 40
+    stopped_at: list[int] = []
 
     def signal_after_a_commit_past(last: int, sig: signal.Signals) -> None:
         when(lambda: any(s > last for s in committed_steps(ckpt)), lambda: os.kill(os.getpid(), sig))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal_after_a_commit_past(max(stopped_at, default=0), sig)
-        # 16 steps: a demo step takes well under a second, and the next commit lands a few steps later
-        run = short_run(ckpt, tmp_path, 16, HF)
+        # 40 steps: a step takes 0.1-0.5 s and a stop lands 1-2 s after its signal (seen: signalled after
+        # the commit of step 2, stopped at 10), so each run stops well before the end
+        run = short_run(ckpt, tmp_path, steps, HF)
         assert run.stopped == sig.name
         if stopped_at:
             assert run.metric("checkpoint/resumed_from") == [float(stopped_at[-1])]
         stopped_at.append(train_steps(run)[-1])
-        assert stopped_at[-1] < 16 and committed_steps(ckpt)[-1] == stopped_at[-1]  # saved where it stopped
+        assert stopped_at[-1] < steps and committed_steps(ckpt)[-1] == stopped_at[-1]  # saved there
     assert stopped_at[0] < stopped_at[1], stopped_at
-    last = short_run(ckpt, tmp_path, 16, HF)
+    last = short_run(ckpt, tmp_path, steps, HF)
     assert last.metric("checkpoint/resumed_from") == [float(stopped_at[-1])]
-    assert train_steps(last) == list(range(1, 17))
-    assert_each_prompt_once(ckpt, 16)
+    assert train_steps(last) == list(range(1, steps + 1))
+    assert_each_prompt_once(ckpt, steps)
 
 
 def test_full_disk_during_a_save_keeps_training(ray_cluster, demo_cache, tmp_path, caplog):
