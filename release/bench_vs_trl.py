@@ -2,6 +2,7 @@
 
     python release/bench_vs_trl.py                                  # 25M model: TRL, dp_size=1, dp_size=2
     python release/bench_vs_trl.py --size 100m                      # the ~100M model (hidden 768, 12 layers)
+    python release/bench_vs_trl.py --size 25m,34m,100m              # several shapes, one ratio line
     python release/bench_vs_trl.py --steps 6 --only trl,dp1 --trl-venv ~/trl-venv     # reuse a TRL venv
     python release/bench_vs_trl.py --engines auto,hf,vllm           # also each rollout engine explicitly
     python release/bench_vs_trl.py --verify-prompts                 # check the prompts step by step against TRL's
@@ -45,6 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0")  # torch first: any other torch request pulls the CUDA wheels
 SIZES = {  # name -> (hidden, layers, heads, kv_heads, intermediate)
     "25m": (512, 6, 8, 8, 2048),
+    "34m": (
+        640,
+        8,
+        10,
+        2,
+        1728,
+    ),  # hidden not a power of two, 10 query heads over 2 key-value heads (Qwen-like)
     "100m": (768, 12, 12, 12, 2560),
 }
 FIRST_MEASURED_STEP = 4
@@ -58,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--only", default="trl,dp1,dp2", help="comma-separated runs: trl, dp1, dp2")
     p.add_argument("--engines", default="auto", help="rollout engines for the yatt_ray runs: auto,hf,vllm")
-    p.add_argument("--size", choices=sorted(SIZES), default="25m")
+    p.add_argument("--size", default="25m", help=f"a comma-separated list of {', '.join(SIZES)}")
     for name in ("hidden", "layers", "heads", "kv-heads", "intermediate"):
         p.add_argument(f"--{name}", type=int, default=None, help="overrides the --size preset")
     p.add_argument(
@@ -85,6 +93,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.trl_venv = args.trl_venv or args.cache / "trl-venv"
     args.only = [r.strip() for r in args.only.split(",") if r.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.sizes = [x.strip() for x in args.size.split(",") if x.strip()]
+    if not args.sizes or set(args.sizes) - set(SIZES):
+        p.error(f"--size {args.size!r}: choose from {', '.join(SIZES)} (comma-separated)")
     unknown = set(args.only) - {"trl", "dp1", "dp2"}
     if unknown:
         p.error(f"--only: unknown run(s) {sorted(unknown)}; use trl, dp1, dp2")
@@ -458,7 +469,8 @@ def _yatt_row(r: dict) -> dict:
         if k.startswith("time/") and k not in ("time/step", "time/orchestration")
     }
     return {"step": int(r["step"]), "step_s": r["time/step"], "completion_tokens": tokens, "completion_tok_s": rate,
-            "length": r["response_length"], "phases": phases, "reward": r.get("reward_mean")}  # fmt: skip
+            "length": r["response_length"], "phases": phases, "reward": r.get("reward_mean"),
+            "mfu_train": r.get("perf/mfu_train")}  # fmt: skip
 
 
 def _prompt_ids(output_dir: Path, checkpoint_dir: str) -> list[list[int]]:
@@ -512,6 +524,11 @@ def describe(r: RunResult) -> str:
     phases = [p for p in (*PHASES, "generate", "rest") if any(p in x["phases"] for x in r.measured())]
     phases += sorted({p for x in r.measured() for p in x["phases"]} - set(phases))
     lines.append("  phases (median s): " + ", ".join(f"{p} {r.phase_median(p):.2f}" for p in phases))
+    mfu = [x["mfu_train"] for x in r.measured() if x.get("mfu_train") is not None]
+    if mfu:
+        lines.append(
+            f"  train-phase FLOP efficiency (perf/mfu_train, of the measured peak) {statistics.median(mfu):.2f}"
+        )
     first = f"{r.first_step_end_s:.1f} s" if r.first_step_end_s is not None else "?"
     startup = f"{r.startup_s:.1f} s" if r.startup_s is not None else "?"
     lines.append(f"  launch -> end of step 1 {first} (start-up {startup}, step 1 {r.rows[0]['step_s']:.1f} s); "
@@ -558,8 +575,27 @@ def ratio(trl: RunResult | None, other: RunResult | None) -> str:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     args.out, args.cache = args.out.resolve(), args.cache.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
     python = ensure_trl_venv(args.trl_venv.resolve()) if "trl" in args.only else None
+    ratios = {}
+    for size in args.sizes:
+        one = argparse.Namespace(**{**vars(args), "size": size})
+        if len(args.sizes) > 1:
+            one.out = args.out / size
+            print(f"\n=== shape {size} ===", flush=True)
+        ratios[size] = run_shape(one, python)
+    if len(ratios) > 1:
+        worst = {run: min((r[run] for r in ratios.values()), key=_as_float) for run in ("dp1", "dp2")}
+        every = " ".join(f"{size}_{run}={r[run]}" for size, r in ratios.items() for run in ("dp1", "dp2"))
+        print(f"vs_trl: ratio_dp1={worst['dp1']} ratio_dp2={worst['dp2']} {every}")
+
+
+def _as_float(text: str) -> float:
+    return float("inf") if text == "n/a" else float(text)
+
+
+def run_shape(args: argparse.Namespace, python: Path | None) -> dict[str, str]:
+    """One shape's runs (TRL, dp1, dp2) and report; returns its ratios {"dp1": .., "dp2": ..}."""
+    args.out.mkdir(parents=True, exist_ok=True)
     spec = model_spec(args)
     model_dir, warm = warm_model(args, spec)
     data_files, rows = write_data(args)
@@ -578,7 +614,9 @@ def main(argv: list[str]) -> None:
     for result in fresh.values():
         result.recipe = recipe
         save(result, args.out)
-    report(fresh, {n: fresh.get(n) or load(n, args.out, recipe) for n in ("trl", "dp1", "dp2")})
+    runs = {n: fresh.get(n) or load(n, args.out, recipe) for n in ("trl", "dp1", "dp2")}
+    report(fresh, runs)
+    return {run: ratio(runs["trl"], runs[run]) for run in ("dp1", "dp2")}
 
 
 def print_setup(args: argparse.Namespace, spec, model_dir: Path, warm: dict, micro: int) -> None:

@@ -71,6 +71,9 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     validate(config)  # the resolved config (paths, demo inputs, engine, checkpoint dir) is valid too ...
     config.freeze()  # ... and from here on read-only: the workers and GenRM replicas get exactly this
     print(plan.describe() + f"\n  rollout engine: {config.rollout.engine}", flush=True)
+    if not real_gpus:
+        print("  " + _kernels(config, plan.cpus_per_worker), flush=True)
+    startup.mark("kernels_chosen")
     return _run(config, plan, files, real_gpus, output_dir, startup)
 
 
@@ -167,6 +170,15 @@ def _check_judge(config: Config) -> None:
             f"reward.genrm.accelerators_per_replica={g.accelerators_per_replica} does not divide the judge's "
             f"{heads} attention heads; pick a divisor of {heads}"
         )
+
+
+def _kernels(config: Config, cpus_per_worker: int) -> str:
+    """The CPU kernels the workers will run, measured here once per machine and shape (`train.kernels`): on a
+    one-machine cluster the workers find the result in the cache; on others each machine measures its own."""
+    from yatt_ray.train.kernels import kernels_for
+
+    choice = kernels_for(config.model.path, cpus_per_worker, config.train.dtype)
+    return choice.describe() if choice else "kernels: CUDA"
 
 
 def _model_sizes(config: Config):

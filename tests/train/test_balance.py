@@ -122,11 +122,12 @@ def test_unit_costs_tokens_by_hand():
 def test_unit_costs_flops_by_hand():
     b = _group_batch()
     model = ModelFlops(matmul_params=10, layers=2, attn_width=4)
-    # group 0: P = 1*2/2 + (4*1 + 4*5/2) + (2*1 + 2*3/2) = 1 + 14 + 5 = 20; F = 6*10*7 + 12*2*4*20 = 2340
-    # group 1: P = 2*3/2 + (3*2 + 3*4/2) + (1*2 + 1) = 3 + 12 + 3 = 18; F = 6*10*6 + 12*2*4*18 = 2088
-    assert unit_costs(b.attention_mask, 2, "flops", model, prompt_width=3).tolist() == [2340.0, 2088.0]
+    # P = sum_j (b + o_j)(b + o_j + 1) / 2 (the body's queries computed with each sample)
+    # group 0: b = 1, o = 4, 2: P = 5*6/2 + 3*4/2 = 21; F = 6*10*7 + 12*2*4*21 = 2436
+    # group 1: b = 2, o = 3, 1: P = 5*6/2 + 3*4/2 = 21; F = 6*10*6 + 12*2*4*21 = 2376
+    assert unit_costs(b.attention_mask, 2, "flops", model, prompt_width=3).tolist() == [2436.0, 2376.0]
     perf = PerfModel(model, None, "test")
-    assert unit_costs(b.attention_mask, 2, "flops", perf, prompt_width=3).tolist() == [2340.0, 2088.0]
+    assert unit_costs(b.attention_mask, 2, "flops", perf, prompt_width=3).tolist() == [2436.0, 2376.0]
     # unshared: rows of 5 and 3 tokens: P = 15 + 6 = 21, T = 8 -> 480 + 2016
     assert unit_costs(b.attention_mask, 2, "flops", model).tolist() == [2496.0, 2496.0]
     with pytest.raises(ValueError, match="valid modes: tokens, flops"):
@@ -136,7 +137,8 @@ def test_unit_costs_flops_by_hand():
 
 
 def test_unit_costs_match_the_packed_rows():
-    """Tokens and attended (query, key) pairs of each packed group, counted from `pack_shared_prefix`."""
+    """Tokens and computed (query, key) pairs of each packed group, counted from `pack_shared_prefix`: the
+    packed attention runs one causal attention over [body; segment j] for each sample j."""
     g = torch.Generator().manual_seed(3)
     group, prompts, responses = 3, [], []
     for _ in range(4):
@@ -152,8 +154,10 @@ def test_unit_costs_match_the_packed_rows():
     for k in range(4):
         rows = slice(k * group, (k + 1) * group)
         packed = pack_shared_prefix(b.input_ids[rows], b.attention_mask[rows], group)
-        real = packed.segment != PAD_SEGMENT  # [1, L]
-        pairs = (~packed.attention_mask()[:, 0] & real[:, :, None] & real[:, None, :]).sum()
+        body = int((packed.segment == 0).sum())
+        seqs = [body + int((packed.segment == j).sum()) for j in range(1, group + 1)]
+        pairs = sum(n * (n + 1) // 2 for n in seqs)
+        assert sum(len(b.flatten()) for b in packed.attention_layout().buckets) >= sum(seqs)
         assert tokens[k] == packed.tokens
         assert flops[k] == 6 * packed.tokens + 12 * int(pairs)
 

@@ -198,10 +198,6 @@ def megatron_vlm(vlm_dir, single_process_world):
     return model.eval(), VisionEncoder.from_hf_dir(vlm_dir).eval()
 
 
-def _causal(b, t):
-    return torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1).expand(b, 1, t, t)
-
-
 def test_megatron_logits_match_hf(megatron_vlm, hf_vlm, pixels):
     """Two rows, one image and two images, the same length: the row-major image order matters."""
     model, encoder = megatron_vlm
@@ -215,7 +211,7 @@ def test_megatron_logits_match_hf(megatron_vlm, hf_vlm, pixels):
     pix = pixels(3, 2)  # image 0 -> row 0, images 1, 2 -> row 1
     with torch.no_grad():
         embeddings = decoder_input(model, ids, encoder(pix), IMG)
-        got = forward_with_decoder_input(model, ids, torch.arange(t).expand(b, t), _causal(b, t), embeddings)
+        got = forward_with_decoder_input(model, ids, torch.arange(t).expand(b, t), None, embeddings)
         want = hf_vlm(input_ids=ids, pixel_values=pix).logits
         swapped = hf_vlm(input_ids=ids, pixel_values=pix[[1, 0, 2]]).logits
     assert embeddings.shape == (t, b, 128)
@@ -301,7 +297,7 @@ def test_projector_mode_trains_projector_and_decoder(megatron_vlm, vlm_dir, pixe
         model,
         ids,
         torch.arange(t)[None],
-        _causal(1, t),
+        None,
         decoder_input(model, ids, encoder(pixels(1, 3)), IMG),
     )
     torch.log_softmax(logits, -1)[0, -4:, 5].sum().backward()

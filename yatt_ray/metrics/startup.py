@@ -20,6 +20,10 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("fit_called", "yatt_ray.fit entered: imports done"),
     ("inputs_checked", "config, demo inputs, model directory, data files, reward function, checkpoint store"),
     ("ray_started", "the local Ray cluster is up (or joined)"),
+    (
+        "kernels_chosen",
+        "placement planned; CPU kernels measured (first run on a machine) or read from the cache",
+    ),
     ("trainer_launched", "placement checked; TorchTrainer.fit called (Ray Train starts its worker group)"),
     ("worker_started", "rank 0's train function entered: worker processes up, torch.distributed ready"),
     ("peak_measured", "imports and CPU shims done, the accelerator's peak known (measured once on CPUs)"),

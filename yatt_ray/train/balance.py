@@ -104,12 +104,13 @@ def unit_costs(
     (t_j its real tokens). Without `prompt_width` nothing is shared (b = 0, each row whole).
 
         "tokens":  T = b + sum_j o_j                              (the prompt counted once)
-        "flops":   F = 6 N T + 12 L q P,  P = b (b + 1) / 2 + sum_j (o_j b + o_j (o_j + 1) / 2)
+        "flops":   F = 6 N T + 12 L q P,  P = sum_j (b + o_j) (b + o_j + 1) / 2
 
-    P is the sum over packed tokens of the context each attends to (a body token its body prefix, a segment
-    token the body and its segment so far); F is `ModelFlops.forward(T, P)` x 3 (forward + backward), N the
-    matmul parameters, L the layers, q = heads x head_dim. `model` (a `ModelFlops`, or a `PerfModel` whose
-    `.flops` is used) is needed for "flops". Sub-groups that packing splits off above its cap are ignored.
+    P is the (query, key) pairs the packed attention computes (`attention.packed_attention`: one causal
+    attention over [body; segment j] per sample, the body's queries included each time); F is
+    `ModelFlops.forward(T, P)` x 3 (forward + backward), N the matmul parameters, L the layers,
+    q = heads x head_dim. `model` (a `ModelFlops`, or a `PerfModel` whose `.flops` is used) is needed for
+    "flops".
     """
     if mode not in MODES:
         raise ValueError(f"unit_costs: mode={mode!r}; valid modes: {', '.join(MODES)}")
@@ -135,8 +136,8 @@ def unit_costs(
         raise ValueError(
             f"unit_costs: mode='flops' needs a ModelFlops (or PerfModel) as model, got {model!r}"
         )
-    seg = own * body[gid] + own * (own + 1) / 2
-    pairs = body * (body + 1) / 2 + torch.zeros(groups, dtype=torch.float64).index_add(0, gid, seg)
+    seq = body[gid] + own  # each sample's [body; own tokens]
+    pairs = torch.zeros(groups, dtype=torch.float64).index_add(0, gid, seq * (seq + 1) / 2)
     return 3.0 * flops.forward(tokens, pairs)  # type: ignore[arg-type,return-value]  # elementwise on [G]
 
 

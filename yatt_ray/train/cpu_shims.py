@@ -8,8 +8,9 @@ One patch is for speed, not for function: Megatron's tensor-parallel linear laye
 (forward, input gradient, weight gradient) through oneDNN instead of `torch.matmul`. torch's CPU wheel does
 fp32 GEMM with MKL, which on AMD CPUs picks a slow code path: measured on this project's 2-core AMD EPYC
 (AVX-512), `torch.matmul` [2560, 512] x [512, 2048] reached 190 GFLOP/s and oneDNN 470-510 GFLOP/s, fp32 both
-(largest difference 1.4e-4 on outputs of size ~20: accumulation order). `release/bench_vs_trl.py` shows what
-it buys end to end.
+(largest difference 1.4e-4 on outputs of size ~20: accumulation order); on other CPUs MKL can be the faster,
+so each worker measures both and takes the faster (`kernels.choose_kernels`). `release/bench_vs_trl.py` shows
+what it buys end to end.
 
 Not patched on purpose:
 - `torch.cuda.manual_seed_all`: `torch.manual_seed` calls it, so redirecting it to `torch.manual_seed` recurses;
@@ -27,6 +28,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from yatt_ray.train.kernels import active_linear
 
 _APPLIED = False
 
@@ -170,12 +173,13 @@ def _patch_linear_matmuls() -> None:
                 or options.get("gradient_accumulation_fusion")
                 or options.get("grad_output_buffer")
             )
-            if not plain or input.dtype not in (torch.float32, torch.bfloat16):
+            if not plain or input.dtype not in (torch.float32, torch.bfloat16) or active_linear() != "onednn":
                 return original(input, weight, bias, **options)
             dgrad = options.get("async_grad_allreduce")
             dgrad = options.get("allreduce_dgrad", False) if dgrad is None else dgrad
             return OneDnnLinear.apply(input, weight, bias, dgrad, options.get("tp_group"))
 
+        linear.__dict__.update(original.__dict__)  # Megatron's function reads its own `warned` flag by name
         return linear
 
     layers.linear_with_grad_accumulation_and_async_allreduce = routed(

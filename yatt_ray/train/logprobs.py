@@ -6,9 +6,16 @@ S = sum_v exp(z_v - m) (summed over all ranks' slices) and log Z = m + log S:
     logp(y)  = z_y - log Z                      (z_y lives on exactly one rank; the others add 0)
     entropy  = log Z - sum_v p_v z_v  = log S - sum_v exp(z_v - m) (z_v - m) / S
 
-Only three [B, T] tensors cross ranks (max, S, and the target logit / the p*z sum). The collectives are
-autograd-aware with the tensor-parallel convention: forward all-reduce, backward identity. The loss built on
-top is computed identically on every TP rank, so each rank back-propagates d(loss)/d(own slice) once.
+Only [B, T] tensors cross ranks (the max, then S, the target logit and the p*z sum in one all-reduce). The
+loss built on top is computed identically on every TP rank, so each rank back-propagates d(loss)/d(own slice)
+once, and the backward needs no collective: with p_v = exp(z_v - m) / S and E = sum_v p_v (z_v - m),
+
+    d logp(y) / d z_v = [v = y] - p_v          d entropy / d z_v = -p_v (z_v - m - E)
+
+No [B, T, V] float32 tensor is made: the logits are read in chunks of rows (`CHUNK_ELEMENTS` values each,
+upcast to float32 one chunk at a time) in the forward, and again in the backward, which recomputes p per chunk
+from the saved m, S and E ([B, T] each). Peak extra memory is one chunk, whatever the vocabulary (at 4 x 1024
+tokens x 151,936 the float32 copy alone was 2.5 GB); the saved tensor is the logits themselves.
 """
 
 from __future__ import annotations
@@ -16,27 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over `group` in forward; pass the gradient through unchanged in backward (replicated consumers)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        out = x.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def _tp_size(tp_group) -> int:
-    return 1 if tp_group is None else dist.get_world_size(tp_group)
-
-
-def _sum(x: torch.Tensor, tp_group) -> torch.Tensor:
-    return x if _tp_size(tp_group) == 1 else _AllReduceSum.apply(x, tp_group)
+CHUNK_ELEMENTS = 1 << 22  # float32 values of one chunk of rows (16 MiB)
 
 
 def token_logprobs_and_entropy(
@@ -45,30 +32,67 @@ def token_logprobs_and_entropy(
     """Log-probability of `targets` and the entropy of the predictive distribution, per position.
 
     Args:
-        logits_shard: [B, T, V/tp] this rank's vocabulary slice (rank r holds ids [r*V/tp, (r+1)*V/tp)).
+        logits_shard: [B, T, V/tp] this rank's vocabulary slice (rank r holds ids [r*V/tp, (r+1)*V/tp)), any
+            float dtype.
         targets: [B, T] long token ids in [0, V).
         tp_group: the tensor-parallel process group; None (or a group of size 1) means the full vocabulary.
     Returns:
         (logp [B, T], entropy [B, T]) in float32, both differentiable w.r.t. `logits_shard`.
     """
-    z = logits_shard.float()
-    local_vocab = z.shape[-1]
-    rank = 0 if _tp_size(tp_group) == 1 else dist.get_rank(tp_group)
+    shape = targets.shape
+    flat = logits_shard.reshape(-1, logits_shard.shape[-1])
+    logp, entropy = _ChunkedLogProbs.apply(flat, targets.reshape(-1), tp_group)
+    return logp.view(shape), entropy.view(shape)
 
-    # The max only stabilises exp(); log-softmax does not depend on it, so no gradient flows through it.
-    m = z.detach().amax(dim=-1)
-    if _tp_size(tp_group) > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = z - m.unsqueeze(-1)  # [B, T, V/tp], <= 0
-    exp = shifted.exp()
-    sum_exp = _sum(exp.sum(dim=-1), tp_group)  # S [B, T]
-    log_sum_exp = sum_exp.log()
 
-    local_ids = targets - rank * local_vocab
-    on_rank = (local_ids >= 0) & (local_ids < local_vocab)
-    picked = shifted.gather(-1, local_ids.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-    target_shifted = _sum(torch.where(on_rank, picked, torch.zeros_like(picked)), tp_group)
+def _tp_size(tp_group) -> int:
+    return 1 if tp_group is None else dist.get_world_size(tp_group)
 
-    logp = target_shifted - log_sum_exp
-    entropy = log_sum_exp - _sum((exp * shifted).sum(dim=-1), tp_group) / sum_exp
-    return logp, entropy
+
+def _chunks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """logits [N, V/tp], targets [N] -> (logp [N], entropy [N]) float32; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp_group):
+        rows, vocab = logits.shape
+        tp = _tp_size(tp_group)
+        local = targets - (0 if tp == 1 else dist.get_rank(tp_group)) * vocab
+        on_rank = (local >= 0) & (local < vocab)
+        local = local.clamp(0, vocab - 1)
+        m = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for c in _chunks(rows, vocab):
+            m[c] = logits[c].amax(dim=-1).float()
+        if tp > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+        sums = torch.zeros(3, rows, dtype=torch.float32, device=logits.device)  # S, target - m, sum e (z - m)
+        for c in _chunks(rows, vocab):
+            shifted = logits[c].float() - m[c, None]
+            exp = shifted.exp()
+            sums[0, c] = exp.sum(dim=-1)
+            sums[1, c] = torch.where(on_rank[c], shifted.gather(-1, local[c, None]).squeeze(-1), 0.0)
+            sums[2, c] = (exp * shifted).sum(dim=-1)
+        if tp > 1:
+            dist.all_reduce(sums, group=tp_group)
+        total, target, weighted = sums
+        mean_shifted = weighted / total  # E
+        logp = target - total.log()
+        entropy = total.log() - mean_shifted
+        ctx.save_for_backward(logits, local, on_rank, m, total, mean_shifted)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
+        logits, local, on_rank, m, total, mean_shifted = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for c in _chunks(*logits.shape):
+            shifted = logits[c].float() - m[c, None]
+            p = shifted.exp() / total[c, None]
+            g = -p * (grad_logp[c, None] + grad_entropy[c, None] * (shifted - mean_shifted[c, None]))
+            g.scatter_add_(-1, local[c, None], (grad_logp[c] * on_rank[c])[:, None])
+            grad[c] = g.to(grad.dtype)
+        return grad, None, None

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from yatt_ray.errors import ConfigError
+from yatt_ray.train.attention import shared_prefix_attention_class
 from yatt_ray.train.cpu_shims import apply_cpu_shims
 from yatt_ray.train.hf_convert import (
     LlamaShape,
@@ -126,7 +127,10 @@ def transformer_config(shape: LlamaShape, tp_size: int, dtype: torch.dtype = tor
     )
 
 
-def build_gpt_model(shape: LlamaShape, dtype: torch.dtype = torch.float32):
+ATTENTION = ("packed", "dense")
+
+
+def build_gpt_model(shape: LlamaShape, dtype: torch.dtype = torch.float32, attention: str = "packed"):
     """An uninitialised Megatron `GPTModel` (local spec, RMSNorm, SwiGLU, RoPE) for this rank's TP shard, its
     weights in `dtype`.
 
@@ -138,21 +142,28 @@ def build_gpt_model(shape: LlamaShape, dtype: torch.dtype = torch.float32):
     not a parameter or buffer, so not in the state dict) at every forward, so replacing it gives Llama 3.x's
     scaled RoPE exactly as transformers computes it (for plain RoPE the values are Megatron's own).
 
+    `attention`: "packed" (the default) runs attention through `attention.shared_prefix_attention_class()`:
+    fused causal kernels over each sample's [prompt; own tokens], memory linear in the packed length; "dense" is
+    Megatron's unfused `DotProductAttention` over an [G, 1, L, L] mask, kept as the tests' reference.
+
     On a GPU build it is moved to the current CUDA device. Forward: `forward_packed`, or (input_ids [B,T],
-    position_ids [3,B,T] (`rope_positions`), attention_mask [B,1,T,T] bool True=masked) -> logits
-    [B, T, V/tp] (vocab-parallel, not gathered).
+    position_ids [3,B,T] (`rope_positions`), attention_mask) -> logits [B, T, V/tp] (vocab-parallel, not
+    gathered); attention_mask is a `SegmentLayout` (packed) or a [B,1,T,T] bool mask, True = masked (dense).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r}; choose one of {', '.join(ATTENTION)}")
     apply_cpu_shims()
     config = transformer_config(shape, ps.get_tensor_model_parallel_world_size(), dtype)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)  # default: LayerNorm
+    if attention == "packed":
+        spec.submodules.self_attention.submodules.core_attention = shared_prefix_attention_class()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(  # default normalization is LayerNorm
-            normalization="RMSNorm", qk_layernorm=shape.qk_norm
-        ),
+        transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_positions,
         parallel_output=True,
@@ -190,7 +201,23 @@ def rope_positions(position_ids: torch.Tensor) -> torch.Tensor:
 def forward_packed(model, packed) -> torch.Tensor:
     """`model` (a GPTModel from `build_gpt_model`, or its DDP wrapper) over `packing.SharedPrefixRows`:
     outputs [G, L, ...] at the packed positions (logits [G, L, V/tp] for a policy)."""
-    return model(packed.input_ids, rope_positions(packed.position_ids), packed.attention_mask())
+    return model(packed.input_ids, rope_positions(packed.position_ids), attention_input(model, packed))
+
+
+def attention_input(model, packed):
+    """What `model`'s attention takes for `packed`: its `SegmentLayout` (packed attention) or its dense
+    [G, 1, L, L] mask (`attention="dense"`)."""
+    core = _first_core_attention(model)
+    if isinstance(core, shared_prefix_attention_class()):
+        return packed.attention_layout().to(packed.input_ids.device)
+    return packed.attention_mask()
+
+
+def _first_core_attention(model):
+    for name, module in model.named_modules():
+        if name.endswith("self_attention.core_attention"):
+            return module
+    raise ConfigError("the model has no self_attention.core_attention module; build it with build_gpt_model")
 
 
 def read_hf_state_dict(model_dir: str | Path) -> StateDict:

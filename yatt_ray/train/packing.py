@@ -15,11 +15,12 @@ a body token sees the body before it; a segment token sees the whole body and it
 no token sees another segment or padding. The outputs at every real token are therefore those of the unpacked
 row, while the model runs over (c-1) + sum_j (len(s_j) - c + 1) tokens instead of n * width.
 
-A group whose packed length would exceed `max_len` is split into sub-groups (the attention mask and scores
-grow with the square of the packed length). Each (sub-)group is one packed row. Putting several short groups into
-one row (attending within themselves) was measured and did not pay on this project's CPU benchmark: the
-padding it saved cost as much again in the unfused attention over the longer rows. `group_size=1` is plain unpadding (each row alone, real tokens moved
-to the front). Any grouping gives the same results; only the cost differs.
+The trainer's attention over packed rows (`attention.packed_attention`) runs fused causal kernels per
+[body; segment] sequence, so its memory grows linearly with the packed length and a group stays one packed row
+however long (splitting it would only compute its prompt again). `max_len` still splits a group whose packed
+length would exceed it into sub-groups, for the dense reference (`attention_mask()`, an [L, L] mask) in tests.
+`group_size=1` is plain unpadding (each row alone, real tokens moved to the front). Any grouping gives the
+same results; only the cost differs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from yatt_ray.train.attention import SegmentLayout, segment_layout
 
 PAD_SEGMENT = -1
 
@@ -50,8 +53,13 @@ class SharedPrefixRows:
     source: Tensor
     first_row: Tensor
 
+    def attention_layout(self) -> SegmentLayout:
+        """What the trainer's packed attention takes (`attention.SegmentLayout`): memory linear in L."""
+        return segment_layout(self.segment)
+
     def attention_mask(self) -> Tensor:
-        """[G, 1, L, L] bool, True = masked (see the module docstring); a query always sees itself."""
+        """[G, 1, L, L] bool, True = masked (see the module docstring); a query always sees itself. The dense
+        form, for the reference attention in tests (`build_gpt_model(..., attention="dense")`)."""
         seg, length = self.segment, self.segment.shape[1]
         cols = torch.arange(length, device=seg.device)
         causal = cols[None, :, None] >= cols[None, None, :]  # [1, q, k]
@@ -79,18 +87,19 @@ def pack_shared_prefix(
     input_ids: Tensor, attention_mask: Tensor, group_size: int = 1, max_len: int | None = None
 ) -> SharedPrefixRows:
     """Pack [B, T] rows (1 = real token in `attention_mask`, any padding) in groups of `group_size`
-    consecutive rows; `max_len` caps a packed row (default max(2 T, 512)). See the module docstring.
+    consecutive rows; `max_len` caps a packed row (default: no cap, a group is one row). See the module
+    docstring.
     Built on the CPU (many small tensor operations); move the result with `.to(device)`."""
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
     rows, width = input_ids.shape
-    cap = max_len or max(2 * width, 512)
     input_ids, real = input_ids.cpu(), attention_mask.cpu().bool()
     seqs = [input_ids[i][real[i]] for i in range(rows)]
     cols = [torch.nonzero(real[i]).flatten() for i in range(rows)]
     units: list[tuple[list[int], int, list[Tensor]]] = []  # (row indices, body length, row token tensors)
     for start in range(0, rows, group_size):
-        for sub in _split_under(list(range(start, min(start + group_size, rows))), seqs, cap):
+        group = list(range(start, min(start + group_size, rows)))
+        for sub in [group] if max_len is None else _split_under(group, seqs, max_len):
             members = [seqs[i] for i in sub]
             units.append((sub, max(_common_prefix(members) - 1, 0), members))
     length = max(2, max(_packed_len(members) for _, _, members in units))

@@ -424,12 +424,13 @@ def forward_with_decoder_input(
     model,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask,
     decoder_input: torch.Tensor,
 ) -> torch.Tensor:
     """`model` (GPTModel or its DDP wrapper) on given input embeddings: input_ids [B, T] (ignored by the
     embedding, kept for Megatron's bookkeeping), position_ids [B, T] (RoPE positions, as `rope_positions`
-    takes them) or [3, B, T], attention_mask [B, 1, T, T] bool True = masked, decoder_input [T, B, D] ->
+    takes them) or [3, B, T], attention_mask what the model's attention takes (`model.attention_input`; None =
+    causal over each row), decoder_input [T, B, D] ->
     logits [B, T, V/tp] (vocab-parallel, not gathered)."""
     from yatt_ray.train.model import rope_positions
 
@@ -507,7 +508,9 @@ def forward_packed_with_images(
 ) -> torch.Tensor:
     """`model.forward_packed` with images: `image_features` [N, D] in packed order (`packed_image_index`) or
     None for text-only rows -> outputs [G, L, ...] (logits [G, L, V/tp] for a policy)."""
+    from yatt_ray.train.model import attention_input
+
     embeddings = decoder_input(model, packed.input_ids, image_features, image_token_id)
     return forward_with_decoder_input(
-        model, packed.input_ids, packed.position_ids, packed.attention_mask(), embeddings
+        model, packed.input_ids, packed.position_ids, attention_input(model, packed), embeddings
     )

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device check, within 8 minutes (issue #23), then a table:
+#   1. train-phase MFU of the Megatron trainer (`release/bench_train_mfu.py`): on a GPU Qwen2.5-0.5B's shape in
+#      bf16, with the packed (fused) attention, the trainer's default;
+#   2. a 3-step GRPO `fit()` of the demo with the Hugging Face engine (no vLLM on the device machine), one
+#      training worker: NCCL on a GPU.
+# Without CUDA it runs the same two on the CPU at the tiny preset (fp32): what the test suite checks.
+#
+#   bash release/gpu_check.sh                          # here, or on the device machine after its pack:
+#   source .devicepack/install-pack.sh && export PYTHONPATH=$PWD:$PYTHONPATH && bash release/gpu_check.sh
+#
+# Env: PY (default python3, or .venv/bin/python when present), OUT (a folder for the logs; default a temp dir).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  MODE=gpu; MFU_ARGS=(--preset qwen2-0.5b --dtype bf16 --steps 4 --warmup 2); FIT_S=240
+else
+  MODE=cpu; MFU_ARGS=(--preset tiny --dtype fp32 --steps 2 --warmup 1); FIT_S=300
+fi
+echo "gpu_check: mode $MODE, logs in $OUT"
+start=$(date +%s)
+timeout 300 "$PY" release/bench_train_mfu.py "${MFU_ARGS[@]}" 2>&1 | tee "$OUT/mfu.log"
+mfu_rc=${PIPESTATUS[0]}
+timeout "$FIT_S" "$PY" examples/grpo.py train.steps=3 train.dp_size=1 rollout.engine=hf \
+  checkpoint.enable=false output.dir="$OUT/fit" 2>&1 | tee "$OUT/fit.log"
+fit_rc=${PIPESTATUS[0]}
+"$PY" - "$OUT" "$mfu_rc" "$fit_rc" "$MODE" "$(( $(date +%s) - start ))" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out, mfu_rc, fit_rc, mode, seconds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+line = next((l for l in reversed((out / "mfu.log").read_text().splitlines()) if l.startswith("train_mfu:")), "")
+fields = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+rows = []
+for path in sorted((out / "fit").glob("*/metrics.jsonl")):
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+steps = [r for r in rows if "time/step" in r]
+print(f"\n| check ({mode}) | result |\n|---|---|")
+print(f"| bench_train_mfu {fields.get('preset', '?')} {fields.get('dtype', '?')} | "
+      f"MFU {fields.get('mfu', '?')}, {fields.get('tokens_per_s', '?')} tokens/s, step {fields.get('step_s', '?')} s"
+      f" (exit {mfu_rc}) |")
+print(f"| GRPO fit, HF engine, 3 steps | {len(steps)} steps, step s "
+      + " ".join(f"{r['time/step']:.2f}" for r in steps)
+      + (f", reward {steps[-1].get('reward_mean', float('nan')):.3f}" if steps else "")
+      + (f", train MFU {steps[-1]['perf/mfu_train']:.3f}" if steps and "perf/mfu_train" in steps[-1] else "")
+      + f" (exit {fit_rc}) |")
+print(f"| whole check | {seconds} s |")
+ok = mfu_rc == 0 and fit_rc == 0 and len(steps) == 3
+print(f"gpu_check: mode={mode} ok={str(ok).lower()} mfu={fields.get('mfu', 'nan')} fit_steps={len(steps)}")
+sys.exit(0 if ok else 1)
+EOF

@@ -1,0 +1,73 @@
+"""CPU kernels chosen by measurement: cached per machine and shape, applied to the linear layers and attention."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from yatt_ray.train import LlamaShape
+from yatt_ray.train import kernels as K
+from yatt_ray.train.cpu_shims import onednn_linear_available
+
+SHAPE = LlamaShape(
+    vocab_size=64, hidden_size=96, ffn_hidden_size=160, num_layers=1, num_heads=6, num_kv_heads=2, head_dim=16,
+    rms_norm_eps=1e-6, rope_theta=1e4, max_positions=128, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    threads = torch.get_num_threads()
+    choice = K.choose_kernels(SHAPE, max_threads=2)
+    assert torch.get_num_threads() == threads  # the caller's threads are restored
+    assert choice.linear in K.LINEAR and choice.gqa in K.GQA and 1 <= choice.threads <= 2
+    rates = choice.rates
+    assert rates[f"linear_{choice.linear}"] == max(
+        rates[f"linear_{k}"] for k in K.LINEAR if f"linear_{k}" in rates
+    )
+    assert ("linear_onednn" in rates) == onednn_linear_available()
+    assert rates[f"gqa_{choice.gqa}"] == min(rates["gqa_native"], rates["gqa_expand"])
+    assert "linear " + choice.linear in choice.describe() and "GQA " + choice.gqa in choice.describe()
+
+    def no_measuring(*args):
+        raise AssertionError("measured again although cached")
+
+    monkeypatch.setattr(K, "_measure", no_measuring)
+    assert K.choose_kernels(SHAPE, max_threads=2) == choice
+    with pytest.raises(AssertionError, match="measured again"):  # another shape is another key
+        K.choose_kernels(dataclasses.replace(SHAPE, hidden_size=128), max_threads=2)
+
+
+def test_gqa_forms_agree():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 10, 16, generator=g)
+    k, v = torch.randn(2, 2, 10, 16, generator=g), torch.randn(2, 2, 10, 16, generator=g)
+    native = K.grouped_attention(q, k, v, 0.25, "native")
+    torch.testing.assert_close(native, K.grouped_attention(q, k, v, 0.25, "expand"), atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear op")
+def test_the_chosen_linear_kernel_is_the_one_that_runs(monkeypatch, single_process_world):
+    """With linear=mkl the Megatron layers never call oneDNN; with onednn they do; the outputs agree."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from yatt_ray.train import cpu_shims, seed_everything
+    from yatt_ray.train.model import transformer_config
+
+    seed_everything(0)
+    layer = ColumnParallelLinear(96, 160, config=transformer_config(SHAPE, 1), init_method=torch.nn.init.normal_,
+                                 bias=False, gather_output=True)  # fmt: skip
+    calls = []
+    real = cpu_shims.onednn_mm_t
+    monkeypatch.setattr(cpu_shims, "onednn_mm_t", lambda a, b: calls.append(1) or real(a, b))
+    x = torch.randn(4, 3, 96)
+    outputs = {}
+    try:
+        for linear in K.LINEAR:
+            K.apply_kernels(K.KernelChoice(linear, torch.get_num_threads(), "native", {}))
+            calls.clear()
+            outputs[linear] = layer(x)[0]
+            assert bool(calls) == (linear == "onednn"), linear
+    finally:
+        K.apply_kernels(None)
+    torch.testing.assert_close(outputs["mkl"], outputs["onednn"], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,124 @@
+"""The packed attention (fused causal kernels per [prompt; sample] sequence) against the dense masked reference."""
+
+import pytest
+import torch
+
+from yatt_ray.batch import pack
+from yatt_ray.train import LlamaShape, build_gpt_model, seed_everything
+from yatt_ray.train.attention import packed_attention, segment_layout
+from yatt_ray.train.model import attention_input, forward_packed
+from yatt_ray.train.packing import PAD_SEGMENT, pack_shared_prefix
+
+
+def _batch(gen, groups=5, n=4, vocab=30):
+    """Groups of n samples of one prompt; response lengths 0-11, one group's prompt longer than the rest."""
+    prompts, responses = [], []
+    for g in range(groups):
+        prompt = torch.randint(
+            4, vocab, (int(torch.randint(1, 7, (1,), generator=gen)) + 3 * (g == 2),), generator=gen
+        )
+        for _ in range(n):
+            length = int(torch.randint(0, 12, (1,), generator=gen))
+            prompts.append(prompt.tolist())
+            responses.append(torch.randint(4, vocab, (length,), generator=gen).tolist())
+    return pack(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0, group_size=n)
+
+
+def _dense(q, k, v, packed, scale):
+    """The reference: masked softmax attention over whole packed rows, [L, G, h, d] -> [L, G, h * d]."""
+    heads, groups = q.shape[2], k.shape[2]
+    k, v = (x.repeat_interleave(heads // groups, dim=2) for x in (k, v))
+    scores = torch.einsum("qghd,kghd->ghqk", q, k) * scale
+    scores = scores.masked_fill(packed.attention_mask(), float("-inf"))
+    out = torch.einsum("ghqk,kghd->qghd", scores.softmax(-1), v)
+    return out.reshape(*q.shape[:2], -1)
+
+
+@pytest.mark.parametrize(
+    "group_size,cap,heads,kv_heads", [(4, None, 4, 4), (4, 12, 4, 2), (1, None, 3, 1), (8, None, 2, 2)]
+)
+def test_packed_attention_equals_dense_reference_in_values_and_gradients(group_size, cap, heads, kv_heads):
+    gen = torch.Generator().manual_seed(group_size * 10 + heads)
+    batch = _batch(gen)
+    packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, group_size, max_len=cap)
+    length, rows, d = packed.segment.shape[1], packed.segment.shape[0], 8
+    q = torch.randn(length, rows, heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(length, rows, kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in "kv"
+    )
+    real = (packed.segment != PAD_SEGMENT).T[
+        :, :, None
+    ]  # [L, G, 1]: padding positions' outputs are never read
+    weights = torch.randn(length, rows, heads * d, generator=gen, dtype=torch.float64) * real
+
+    got = packed_attention(q, k, v, packed.attention_layout(), scale=0.3)
+    want = _dense(q, k, v, packed, 0.3)
+    assert ((got - want).abs() * real).max() < 1e-10
+    assert (got[~real.expand_as(got)] == 0).all()
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for g, w in zip(grads, want_grads):
+        assert (g - w).abs().max() < 1e-10
+
+
+def test_layout_is_linear_in_the_packed_length():
+    """One group: a 512-token prompt and 8 samples of 2048: the layout holds sum_j (b + n_j) indices, no L x L."""
+    body, n, own = 512, 8, 2048
+    segment = torch.cat(
+        [torch.zeros(body, dtype=torch.long)] + [torch.full((own,), j) for j in range(1, n + 1)]
+    )[None]
+    layout = segment_layout(segment)
+    length = segment.shape[1]
+    held = sum(b.numel() for b in layout.buckets) + layout.out_source.numel()
+    assert held == n * (body + own) + length
+    assert held < 3 * length  # the dense mask would hold length ** 2 = 280M entries
+    assert len(layout.buckets) == 1 and layout.buckets[0].shape == (n, body + own)
+
+
+def test_buckets_bound_the_padding():
+    """Sequences of very different lengths go to different buckets; each bucket's padding is bounded."""
+    lengths = [3000, 2900, 1200, 1100, 90, 40, 5]
+    segment = torch.cat([torch.full((m,), j) for j, m in enumerate(lengths, start=1)])[None]
+    layout = segment_layout(segment)
+    widths = [b.shape[1] for b in layout.buckets]
+    assert widths == [3000, 1200, 90, 5]  # 40 joins 90 (within 64 tokens), 5 does not
+    assert sum(b.numel() for b in layout.buckets) < 1.1 * sum(lengths)
+
+
+def _shape(**over):
+    base = dict(
+        vocab_size=40,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=8,
+        ffn_hidden_size=64,
+        max_positions=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    )
+    return LlamaShape(**{**base, **over})
+
+
+def test_gpt_model_logits_packed_equal_dense_fp32(single_process_world):
+    """The trainer's model (packed attention, the default) against Megatron's DotProductAttention over the
+    dense mask, same weights: logits within 1e-5 at every real position (Qwen2-like: GQA, q/k/v biases)."""
+    gen = torch.Generator().manual_seed(3)
+    batch = _batch(gen, groups=4, n=4, vocab=40)
+    packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, 4)
+    seed_everything(0)
+    fused, dense = build_gpt_model(_shape()), build_gpt_model(_shape(), attention="dense")
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    dense.load_state_dict(fused.state_dict())
+    assert type(attention_input(fused, packed)).__name__ == "SegmentLayout"
+    with torch.no_grad():
+        got, want = forward_packed(fused.eval(), packed), forward_packed(dense.eval(), packed)
+    real = packed.segment != PAD_SEGMENT
+    assert (got - want)[real].abs().max() < 1e-5
+    assert got[real].abs().max() > 0.1  # the logits are not trivially equal
