@@ -18,7 +18,7 @@ from yatt_ray.train.balance import (
     unit_costs,
     unit_sizes,
 )
-from yatt_ray.train.packing import PAD_SEGMENT, pack_shared_prefix
+from yatt_ray.train.packing import pack_shared_prefix
 
 
 def sums(costs, parts):
