@@ -28,6 +28,13 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     assert ("linear_onednn" in rates) == onednn_linear_available()
     assert rates[f"gqa_{choice.gqa}"] == min(rates["gqa_native"], rates["gqa_expand"])
     assert "linear " + choice.linear in choice.describe() and "GQA " + choice.gqa in choice.describe()
+    assert choice.dense_rows in (0, *K.ROW_LENGTHS)
+    for length in K.ROW_LENGTHS:  # masked rows up to the first length where they stop being faster
+        if length <= choice.dense_rows:
+            assert rates[f"rows_{length}"] < rates[f"sequences_{length}"]
+        elif f"rows_{length}" in rates:
+            assert rates[f"rows_{length}"] >= rates[f"sequences_{length}"]
+            break
 
     def no_measuring(*args):
         raise AssertionError("measured again although cached")
@@ -64,7 +71,7 @@ def test_the_chosen_linear_kernel_is_the_one_that_runs(monkeypatch, single_proce
     outputs = {}
     try:
         for linear in K.LINEAR:
-            K.apply_kernels(K.KernelChoice(linear, torch.get_num_threads(), "native", {}))
+            K.apply_kernels(K.KernelChoice(linear, torch.get_num_threads(), "native", 0, {}))
             calls.clear()
             outputs[linear] = layer(x)[0]
             assert bool(calls) == (linear == "onednn"), linear

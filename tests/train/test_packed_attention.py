@@ -35,9 +35,19 @@ def _dense(q, k, v, packed, scale):
 
 
 @pytest.mark.parametrize(
-    "group_size,cap,heads,kv_heads", [(4, None, 4, 4), (4, 12, 4, 2), (1, None, 3, 1), (8, None, 2, 2)]
+    "group_size,cap,heads,kv_heads,whole_rows",
+    [
+        (4, None, 4, 4, False),
+        (4, 12, 4, 2, False),
+        (1, None, 3, 1, False),
+        (8, None, 2, 2, False),
+        (4, None, 4, 2, True),
+    ],
 )
-def test_packed_attention_equals_dense_reference_in_values_and_gradients(group_size, cap, heads, kv_heads):
+def test_packed_attention_equals_dense_reference_in_values_and_gradients(
+    group_size, cap, heads, kv_heads, whole_rows
+):
+    """Per-sample causal sequences in buckets, and (whole_rows) whole masked rows, against the dense reference."""
     gen = torch.Generator().manual_seed(group_size * 10 + heads)
     batch = _batch(gen)
     packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, group_size, max_len=cap)
@@ -52,10 +62,13 @@ def test_packed_attention_equals_dense_reference_in_values_and_gradients(group_s
     ]  # [L, G, 1]: padding positions' outputs are never read
     weights = torch.randn(length, rows, heads * d, generator=gen, dtype=torch.float64) * real
 
-    got = packed_attention(q, k, v, packed.attention_layout(), scale=0.3)
+    layout = segment_layout(packed.segment, dense_up_to=10**6 if whole_rows else 0)
+    assert (layout.visible is not None) == whole_rows and (len(layout.buckets) == 0) == whole_rows
+    got = packed_attention(q, k, v, layout, scale=0.3)
     want = _dense(q, k, v, packed, 0.3)
     assert ((got - want).abs() * real).max() < 1e-10
-    assert (got[~real.expand_as(got)] == 0).all()
+    if not whole_rows:  # padding positions' outputs (never read) are zeros; whole rows give their own value
+        assert (got[~real.expand_as(got)] == 0).all()
     grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
     want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
     for g, w in zip(grads, want_grads):

@@ -13,6 +13,10 @@ flash kernel on CPU): memory O(sum_j (b + n_j)) per head instead of the dense pa
 The body's keys and values are gathered once per sequence (n copies of b tokens, linear in L); the body's
 queries are recomputed per sequence, b^2 / 2 score pairs each, against the n_j (b + n_j / 2) a segment needs.
 
+Short rows (up to a length measured per machine, `kernels.KernelChoice.dense_rows`) run instead as whole rows
+with their [G, 1, L, L] visibility mask in one masked kernel call: at tens of tokens a row that is faster than
+many tiny sequences, and its memory is bounded by that length.
+
 Sequences are batched into length buckets (`SegmentLayout.buckets`) so that one kernel call serves many
 sequences: each bucket is padded to its longest sequence. Padding sits after a sequence's real tokens, so a real
 query (causal) never sees it; padded queries' outputs are never read. A sequence joins a bucket while its
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from yatt_ray.train.kernels import active_gqa, grouped_attention
+from yatt_ray.train.kernels import active_dense_rows, active_gqa, grouped_attention
 
 BUCKET_RATIO = 0.85
 BUCKET_SLACK = 64
@@ -51,16 +55,36 @@ class SegmentLayout:
 
     buckets: tuple[Tensor, ...]
     out_source: Tensor
+    visible: Tensor | None = None
 
     def to(self, device) -> SegmentLayout:
-        return SegmentLayout(tuple(b.to(device) for b in self.buckets), self.out_source.to(device))
+        visible = None if self.visible is None else self.visible.to(device)
+        return SegmentLayout(tuple(b.to(device) for b in self.buckets), self.out_source.to(device), visible)
 
 
-def segment_layout(segment: Tensor) -> SegmentLayout:
+def visible_mask(segment: Tensor) -> Tensor:
+    """[G, L] segment ids -> [G, 1, L, L] bool, True = the query (row) sees the key (column): a body token
+    sees the body before it, a segment token the body and its own segment up to itself; a query always sees
+    itself (padding too, so that no row is empty)."""
+    length = segment.shape[1]
+    cols = torch.arange(length, device=segment.device)
+    causal = cols[None, :, None] >= cols[None, None, :]  # [1, q, k]
+    key_seg, query_seg = segment[:, None, :], segment[:, :, None]
+    visible = causal & (key_seg >= 0) & ((key_seg == 0) | (key_seg == query_seg))
+    return (visible | torch.eye(length, dtype=torch.bool, device=segment.device))[:, None]
+
+
+def segment_layout(segment: Tensor, dense_up_to: int | None = None) -> SegmentLayout:
     """The layout of packed rows from their segment ids [G, L] (0 = body at the row's front, j >= 1 = sample
-    j's tokens, contiguous and in order, -1 = padding at the end); see the module docstring."""
+    j's tokens, contiguous and in order, -1 = padding at the end); see the module docstring.
+
+    Rows of at most `dense_up_to` tokens (default: this process's `kernels` choice, measured) get the dense
+    form instead: their [G, 1, L, L] visibility mask, one masked kernel call over whole rows. It is faster for
+    short rows (the demo's: tens of tokens) and its memory is bounded by that length."""
     seg = segment.cpu()
     rows, length = seg.shape
+    if length <= (active_dense_rows() if dense_up_to is None else dense_up_to):
+        return SegmentLayout((), torch.empty(0, dtype=torch.long), visible_mask(seg))
     body = (seg == 0).sum(1)  # [G]
     where = torch.nonzero(seg > 0)  # [P, 2] (row, column), row-major: segments are contiguous runs
     key = where[:, 0] * (int(seg.max()) + 1) + seg[where[:, 0], where[:, 1]]
@@ -116,6 +140,10 @@ def packed_attention(
     [sequence, batch, heads, dim] layout -> [L, G, h * d]. Differentiable in query, key and value.
     """
     length, rows, heads, dim = query.shape
+    if layout.visible is not None:  # whole short rows, one masked call
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [G, heads, L, d]
+        out = grouped_attention(q, k, v, scale, active_gqa(), mask=layout.visible)
+        return out.permute(2, 0, 1, 3).reshape(length, rows, heads * dim)
 
     def flat(x: Tensor) -> Tensor:  # [L, G, n, d] -> [G * L, n, d]
         return x.transpose(0, 1).reshape(rows * length, x.shape[2], dim)

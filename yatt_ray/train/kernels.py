@@ -8,7 +8,9 @@ trainer does not assume; a worker measures, at its model's shapes, in its dtype 
     rate of [2048, hidden] x [hidden, ffn] products, forward and the two backward layouts;
   - threads: the intra-op thread count from 1 to the worker's CPUs that runs that product fastest;
   - attention: grouped-query attention through the fused kernel's own GQA support (`enable_gqa`) or with the
-    key / value heads expanded first, by the time of a fused forward + backward (`attention.packed_attention`).
+    key / value heads expanded first, by the time of a fused forward + backward (`attention.packed_attention`);
+    and up to which packed-row length whole rows with their visibility mask beat the per-sample causal calls
+    (`dense_rows`; tens of tokens usually: below that the many tiny kernel calls cost more than the mask).
 
 Each choice keeps the measured figures, so the placement plan can print why (`KernelChoice.describe`). Results are
 cached in `$XDG_CACHE_HOME/yatt_ray/kernels.json` (or `~/.cache/...`), keyed by CPU model, torch version, dtype,
@@ -33,12 +35,14 @@ GQA = ("native", "expand")
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """What a CPU worker runs: `linear` in LINEAR, `threads`, `gqa` in GQA; `rates`: the measured figures
-    (GFLOP/s of each linear kernel and thread count, milliseconds of each GQA form)."""
+    """What a CPU worker runs: `linear` in LINEAR, `threads`, `gqa` in GQA, `dense_rows` (packed rows up to
+    this length attend as whole masked rows; 0 = never); `rates`: the measured figures (GFLOP/s of each linear
+    kernel and thread count, milliseconds of each GQA form and of both attention forms per row length)."""
 
     linear: str
     threads: int
     gqa: str
+    dense_rows: int
     rates: dict
 
     def describe(self) -> str:
@@ -46,9 +50,10 @@ class KernelChoice:
         linear = ", ".join(f"{k} {r[f'linear_{k}']:.0f}" for k in LINEAR if f"linear_{k}" in r)
         threads = ", ".join(f"{t}: {r[f'threads_{t}']:.0f}" for t in range(1, 257) if f"threads_{t}" in r)
         gqa = ", ".join(f"{k} {r[f'gqa_{k}']:.1f} ms" for k in GQA if f"gqa_{k}" in r) or "no grouped heads"
+        rows = f"whole masked rows up to {self.dense_rows} tokens" if self.dense_rows else "no masked rows"
         return (
             f"kernels (measured on this machine): linear {self.linear} (GFLOP/s {linear}); {self.threads} "
-            f"thread(s) (GFLOP/s {threads}); attention GQA {self.gqa} ({gqa})"
+            f"thread(s) (GFLOP/s {threads}); attention GQA {self.gqa} ({gqa}), {rows}"
         )
 
 
@@ -71,7 +76,7 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
     key = "|".join(
-        map(str, (_cpu_model(), torch.__version__, dtype, max_threads, shape.hidden_size,
+        map(str, ("v2", _cpu_model(), torch.__version__, dtype, max_threads, shape.hidden_size,
                   shape.ffn_hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                   onednn_linear_available()))
     )  # fmt: skip
@@ -121,9 +126,19 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
             for form in GQA:
                 rates[f"gqa_{form}"] = 1e3 * _attention_seconds(shape, dtype, form)
             gqa = min(GQA, key=lambda k: rates[f"gqa_{k}"])
+        dense_rows = 0
+        for length in ROW_LENGTHS:
+            for form in ("rows", "sequences"):
+                rates[f"{form}_{length}"] = 1e3 * _packed_seconds(shape, dtype, length, form, gqa)
+            if rates[f"rows_{length}"] >= rates[f"sequences_{length}"]:
+                break
+            dense_rows = length
     finally:
         torch.set_num_threads(before)
-    return KernelChoice(linear, threads, gqa, rates)
+    return KernelChoice(linear, threads, gqa, dense_rows, rates)
+
+
+ROW_LENGTHS = (32, 64, 128, 256, 512)  # packed-row lengths tried for `dense_rows`, shortest first
 
 
 def _gemm_rate(mm, x: torch.Tensor, w: torch.Tensor, seconds: float = 0.12) -> float:
@@ -165,15 +180,45 @@ def _attention_seconds(shape, dtype: torch.dtype, form: str, length: int = 384, 
     return best
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, form: str):
-    """Causal fused attention, q [S, h, L, d], k / v [S, g, L, d] -> [S, h, L, d], GQA in `form`."""
-    if k.shape[1] == q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if form == "expand":
+def _packed_seconds(shape, dtype: torch.dtype, length: int, form: str, gqa: str, tokens: int = 2048) -> float:
+    """Best of two forward + backward times of the packed attention over tokens / length rows of `length`
+    tokens (a quarter shared body, 8 samples in the rest), as whole masked rows or per-sample sequences."""
+    from yatt_ray.train.attention import segment_layout
+
+    rows, body = max(1, tokens // length), length // 4
+    own = torch.arange(length - body) * 8 // (length - body) + 1
+    segment = torch.cat([torch.zeros(body, dtype=torch.long), own]).expand(rows, length)
+    layout = segment_layout(segment, dense_up_to=length if form == "rows" else 0)
+    heads, groups, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    q = torch.randn(length, rows, heads, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(length, rows, groups, d, dtype=dtype, requires_grad=True) for _ in "kv")
+    global _ACTIVE
+    saved, _ACTIVE = _ACTIVE, KernelChoice("onednn", torch.get_num_threads(), gqa, 0, {})
+    try:
+        from yatt_ray.train.attention import packed_attention
+
+        best = float("inf")
+        for trial in range(3):
+            start = time.perf_counter()
+            packed_attention(q, k, v, layout).sum().backward()
+            if trial:
+                best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        _ACTIVE = saved
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, form: str, mask=None
+) -> torch.Tensor:
+    """Fused attention, q [S, h, L, d], k / v [S, g, L, d] -> [S, h, L, d], GQA in `form`: causal, or with
+    `mask` ([S, 1, L, L] bool, True = attend) when given."""
+    causal = mask is None
+    if k.shape[1] != q.shape[1] and form == "expand":
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def kernels_for(model_path: str, max_threads: int, dtype_name: str) -> KernelChoice | None:
@@ -204,3 +249,8 @@ def active_linear() -> str:
 
 def active_gqa() -> str:
     return "native" if _ACTIVE is None else _ACTIVE.gqa
+
+
+def active_dense_rows() -> int:
+    """Packed rows up to this length attend as whole masked rows (default 0: never, without a measurement)."""
+    return 0 if _ACTIVE is None else _ACTIVE.dense_rows

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from yatt_ray.train.attention import SegmentLayout, segment_layout
+from yatt_ray.train.attention import SegmentLayout, segment_layout, visible_mask
 
 PAD_SEGMENT = -1
 
@@ -60,13 +60,7 @@ class SharedPrefixRows:
     def attention_mask(self) -> Tensor:
         """[G, 1, L, L] bool, True = masked (see the module docstring); a query always sees itself. The dense
         form, for the reference attention in tests (`build_gpt_model(..., attention="dense")`)."""
-        seg, length = self.segment, self.segment.shape[1]
-        cols = torch.arange(length, device=seg.device)
-        causal = cols[None, :, None] >= cols[None, None, :]  # [1, q, k]
-        key_seg, query_seg = seg[:, None, :], seg[:, :, None]
-        visible = causal & (key_seg != PAD_SEGMENT) & ((key_seg == 0) | (key_seg == query_seg))
-        visible = visible | torch.eye(length, dtype=torch.bool, device=seg.device)
-        return ~visible[:, None]
+        return ~visible_mask(self.segment)
 
     def unpack(self, values: Tensor) -> Tensor:
         """Per-position values [G, L] (e.g. the log-prob of `targets`) -> [B, T-1] in the original columns,
