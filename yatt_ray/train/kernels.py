@@ -76,7 +76,7 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
     key = "|".join(
-        map(str, ("v2", _cpu_model(), torch.__version__, dtype, max_threads, shape.hidden_size,
+        map(str, ("v3", _cpu_model(), torch.__version__, dtype, max_threads, shape.hidden_size,
                   shape.ffn_hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                   onednn_linear_available()))
     )  # fmt: skip
@@ -138,10 +138,10 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
     return KernelChoice(linear, threads, gqa, dense_rows, rates)
 
 
-ROW_LENGTHS = (32, 64, 128, 256, 512)  # packed-row lengths tried for `dense_rows`, shortest first
+ROW_LENGTHS = (64, 128, 256, 512)  # packed-row lengths tried for `dense_rows`, shortest first
 
 
-def _gemm_rate(mm, x: torch.Tensor, w: torch.Tensor, seconds: float = 0.12) -> float:
+def _gemm_rate(mm, x: torch.Tensor, w: torch.Tensor, seconds: float = 0.09) -> float:
     """GFLOP/s of the forward product x w^T and the backward ones (g w, g^T x), best of three windows."""
     g = torch.randn(x.shape[0], w.shape[0], dtype=x.dtype)
     flops = 3 * 2.0 * x.shape[0] * x.shape[1] * w.shape[0]
@@ -180,7 +180,7 @@ def _attention_seconds(shape, dtype: torch.dtype, form: str, length: int = 384, 
     return best
 
 
-def _packed_seconds(shape, dtype: torch.dtype, length: int, form: str, gqa: str, tokens: int = 2048) -> float:
+def _packed_seconds(shape, dtype: torch.dtype, length: int, form: str, gqa: str, tokens: int = 1024) -> float:
     """Best of two forward + backward times of the packed attention over tokens / length rows of `length`
     tokens (a quarter shared body, 8 samples in the rest), as whole masked rows or per-sample sequences."""
     from yatt_ray.train.attention import segment_layout
