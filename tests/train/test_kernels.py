@@ -1,6 +1,7 @@
 """CPU kernels chosen by measurement: cached per machine and shape, applied to the linear layers and attention."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -43,6 +44,24 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     assert K.choose_kernels(SHAPE, max_threads=2) == choice
     with pytest.raises(AssertionError, match="measured again"):  # another shape is another key
         K.choose_kernels(dataclasses.replace(SHAPE, hidden_size=128), max_threads=2)
+
+
+def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = K.cache_path()
+    path.parent.mkdir(parents=True)
+    measured = []
+    real = K._measure
+    monkeypatch.setattr(K, "_measure", lambda *a: measured.append(1) or real(*a))
+    for damage in ("{not json", "[1, 2]"):
+        path.write_text(damage)
+        choice = K.choose_kernels(SHAPE, max_threads=1)
+        assert len(measured) == 1 and choice.threads == 1
+        measured.clear()
+    key = next(iter(json.loads(path.read_text())))
+    path.write_text(json.dumps({key: {"linear": "mkl"}}))  # an entry of another version's fields
+    assert K.choose_kernels(SHAPE, max_threads=1) and len(measured) == 1
+    assert K.choose_kernels(SHAPE, max_threads=1) and len(measured) == 1  # rewritten: read from the cache now
 
 
 def test_gqa_forms_agree():

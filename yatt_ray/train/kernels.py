@@ -83,10 +83,14 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     path = cache_path()
     try:
         cached = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # none yet, or a damaged file: it is rewritten below
         cached = {}
-    if key in cached:
+    if not isinstance(cached, dict):
+        cached = {}
+    try:
         return KernelChoice(**cached[key])
+    except (KeyError, TypeError):  # not measured yet, or an entry this version cannot read: measure again
+        pass
     choice = _measure(shape, max(1, max_threads), dtype)
     cached[key] = asdict(choice)
     try:
