@@ -171,13 +171,14 @@ def _attention_seconds(shape, dtype: torch.dtype, form: str, length: int = 384, 
     k, v = (torch.randn(rows, shape.num_kv_heads, length, shape.head_dim, dtype=dtype, requires_grad=True)
             for _ in "kv")  # fmt: skip
 
-    def once():
-        out = grouped_attention(q, k, v, None, form)
-        out.sum().backward()
+    return _best_seconds(lambda: grouped_attention(q, k, v, None, form).sum().backward())
 
+
+def _best_seconds(once, trials: int = 3) -> float:
+    """The shortest of `trials` timed calls of `once()`, after one untimed warm-up call."""
     once()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(trials):
         start = time.perf_counter()
         once()
         best = min(best, time.perf_counter() - start)
@@ -201,13 +202,7 @@ def _packed_seconds(shape, dtype: torch.dtype, length: int, form: str, gqa: str,
     try:
         from yatt_ray.train.attention import packed_attention
 
-        best = float("inf")
-        for trial in range(3):
-            start = time.perf_counter()
-            packed_attention(q, k, v, layout).sum().backward()
-            if trial:
-                best = min(best, time.perf_counter() - start)
-        return best
+        return _best_seconds(lambda: packed_attention(q, k, v, layout).sum().backward(), trials=2)
     finally:
         _ACTIVE = saved
 
