@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from yatt_ray.errors import ConfigError
+from yatt_ray.train import fused
 from yatt_ray.train.attention import shared_prefix_attention_class
 from yatt_ray.train.cpu_shims import apply_cpu_shims
 from yatt_ray.train.hf_convert import (
@@ -114,7 +115,7 @@ def transformer_config(shape: LlamaShape, tp_size: int, dtype: torch.dtype = tor
         params_dtype=dtype,
         bf16=dtype
         == torch.bfloat16,  # Megatron's "inputs in bf16" switch: the attention softmax runs in fp32
-        bias_activation_fusion=False,
+        bias_activation_fusion=True,  # Megatron's SwiGLU branch, served by `fused.bias_swiglu_impl`
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -157,6 +158,7 @@ def build_gpt_model(shape: LlamaShape, dtype: torch.dtype = torch.float32, atten
     if attention not in ATTENTION:
         raise ConfigError(f"attention={attention!r}; choose one of {', '.join(ATTENTION)}")
     apply_cpu_shims()
+    fused.install()
     config = transformer_config(shape, ps.get_tensor_model_parallel_world_size(), dtype)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)  # default: LayerNorm
     if attention == "packed":

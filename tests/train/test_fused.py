@@ -1,0 +1,84 @@
+"""The copy-free RoPE and SwiGLU (`yatt_ray.train.fused`) against Megatron's own unfused code: values and gradients."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+from yatt_ray.train import fused
+
+CONFIG = SimpleNamespace(rotary_interleaved=False, multi_latent_attention=False, apply_rope_fusion=False)
+
+
+def _inputs(equal_halves: bool, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 4, 16, generator=g, dtype=dtype)
+    half = torch.rand(7, 3, 1, 8, generator=g, dtype=dtype) * 6
+    other = half if equal_halves else torch.rand(7, 3, 1, 8, generator=g, dtype=dtype) * 6
+    return x, torch.cat([half, other], dim=-1)
+
+
+@pytest.mark.parametrize("equal_halves", [True, False])
+def test_values_and_gradients_match_megatron(equal_halves):
+    x, freqs = _inputs(equal_halves)
+    grad = torch.randn_like(x)
+    ours_x = x.clone().requires_grad_()
+    theirs_x = x.clone().requires_grad_()
+    ours = fused.apply_rotary_pos_emb(ours_x, freqs, CONFIG)
+    theirs = rope_utils._apply_rotary_pos_emb_bshd(theirs_x, freqs)
+    ours.backward(grad)
+    theirs.backward(grad)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours_x.grad, theirs_x.grad, rtol=0, atol=1e-12)
+    assert not torch.allclose(ours, x)  # a rotation happened
+
+
+def test_rotation_preserves_norm_and_inverts():
+    """RoPE is a rotation of each (x1_i, x2_i) pair: norms kept, and the backward map is its inverse."""
+    x, freqs = _inputs(True)
+    y = fused.rotary(x, freqs)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    back = fused._rotate_grad(y, torch.cos(freqs), torch.sin(freqs))
+    torch.testing.assert_close(back, x)
+
+
+def test_other_layouts_fall_back_to_megatron():
+    x, freqs = _inputs(True, torch.float32)
+    interleaved = SimpleNamespace(**{**vars(CONFIG), "rotary_interleaved": True})
+    got = fused.apply_rotary_pos_emb(x, freqs, interleaved, cp_group=object())
+    want = rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=True)
+    torch.testing.assert_close(got, want)
+    partial = freqs[..., :8]  # rotary over half of the head: Megatron passes the rest through
+    got = fused.apply_rotary_pos_emb(x, partial, CONFIG, cp_group=object())
+    torch.testing.assert_close(got, rope_utils._apply_rotary_pos_emb_bshd(x, partial))
+    torch.testing.assert_close(got[..., 8:], x[..., 8:])
+
+
+def test_swiglu_values_and_gradients_match_megatron_glu():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 12, generator=g, dtype=torch.float64) * 3
+    grad = torch.randn(5, 3, 6, generator=g, dtype=torch.float64)
+    ours_x, theirs_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours = fused.bias_swiglu_impl(ours_x, None)
+    a, b = torch.chunk(theirs_x, 2, dim=-1)  # Megatron's unfused glu (mlp.py), offset 0
+    theirs = torch.nn.functional.silu(a) * (b + 0.0)
+    ours.backward(grad)
+    theirs.backward(grad)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours_x.grad, theirs_x.grad, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(fused.swiglu, (x[:2, :1].clone().requires_grad_(),))
+
+
+def test_swiglu_with_a_bias_is_megatrons():
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    a, b = torch.chunk(x + bias, 2, dim=-1)
+    torch.testing.assert_close(fused.bias_swiglu_impl(x, bias), torch.nn.functional.silu(a) * b)
+
+
+def test_install_points_megatron_layers_here():
+    from megatron.core.transformer import attention, mlp
+
+    fused.install()
+    assert attention.apply_rotary_pos_emb is fused.apply_rotary_pos_emb
+    assert mlp.bias_swiglu_impl is fused.bias_swiglu_impl
