@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,14 @@ FAMILIES = tuple(sorted(set(SUPPORTED_ARCHITECTURES.values())))
 
 def supported_architectures() -> str:
     """The supported architectures, for error messages."""
-    return ", ".join([*SUPPORTED_ARCHITECTURES, "LlavaForConditionalGeneration (Llama language model)"])
+    return ", ".join(
+        [
+            *SUPPORTED_ARCHITECTURES,
+            "LlavaForConditionalGeneration (Llama language model)",
+            "Qwen2VLForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration",
+        ]
+    )
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,9 @@ class LlamaShape:
 
     The fields after `tie_word_embeddings` (with defaults, so a plain Llama needs none of them) tell the
     families apart: `family` (a `FAMILIES` name), `qkv_bias` (biases on q/k/v only: Qwen2), `qk_norm`
-    (per-head RMSNorm on queries and keys: Qwen3), `rope_scaling` (Llama 3.x; None = plain RoPE).
+    (per-head RMSNorm on queries and keys: Qwen3), `rope_scaling` (Llama 3.x; None = plain RoPE),
+    `mrope_section` (Qwen2-VL / Qwen2.5-VL's multimodal RoPE: frequency pairs per (time, height, width),
+    summing to head_dim / 2; None = 1-D RoPE).
     """
 
     vocab_size: int
@@ -84,6 +93,7 @@ class LlamaShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: Llama3RopeScaling | None = None
+    mrope_section: tuple[int, int, int] | None = None
 
     @property
     def q_per_group(self) -> int:
@@ -108,6 +118,17 @@ class LlamaShape:
                     "trainer converts LLaVA with a Llama language model only"
                 )
             return cls.from_hf_config({**text, "model_type": "llama"}, source=f"{source} (text_config)")
+        from yatt_ray.train import qwen_vl
+
+        if qwen_vl.is_qwen_vl(cfg):  # a Qwen VL policy: its Qwen2 language model with multimodal RoPE
+            text, section = qwen_vl.text_config_dict(cfg)
+            shape = cls.from_hf_config(text, source=f"{source} (text_config)")
+            if 2 * sum(section) != shape.head_dim:
+                raise ConfigError(
+                    f"{source}: mrope_section {list(section)} sums to {sum(section)}, not head_dim / 2 = "
+                    f"{shape.head_dim // 2}"
+                )
+            return replace(shape, mrope_section=section)
         family = _family(cfg)
         if family is None:
             raise ConfigError(

@@ -123,8 +123,8 @@ def transformer_config(shape: LlamaShape, tp_size: int, dtype: torch.dtype = tor
         calculate_per_token_loss=True,
         # RoPE at given positions (packing.pack_shared_prefix places tokens off their column): Megatron's
         # multimodal RoPE with every channel in the first section and the same positions in all three rows
-        # is exactly 1-D RoPE at `position_ids`.
-        mrope_section=[shape.head_dim // 2, 0, 0],
+        # is exactly 1-D RoPE at `position_ids`; a Qwen VL decoder has its own sections (qwen_vl.py).
+        mrope_section=list(shape.mrope_section or (shape.head_dim // 2, 0, 0)),
     )
 
 

@@ -43,7 +43,9 @@ class SharedPrefixRows:
     body, j >= 1 = a row's own tokens, -1 = padding;; targets [G, L] the token each position predicts (0 where
     none); source [B, T-1] long: for original column t (which predicts original token t+1) the flat index into
     a [G * L] tensor of the position that predicts it, or G * L (a zero) where token t+1 is not real;
-    first_row [G] long: the original row whose tokens packed row g starts with (its prompt is g's prompt).
+    first_row [G] long: the original row whose tokens packed row g starts with (its prompt is g's prompt);
+    row [G, L] long: the original row each packed token is taken from (the body: first_row's), -1 on padding
+    (with position_ids, the token's place in that row's real tokens: multimodal RoPE reads its positions there).
     """
 
     input_ids: Tensor
@@ -52,6 +54,7 @@ class SharedPrefixRows:
     targets: Tensor
     source: Tensor
     first_row: Tensor
+    row: Tensor
 
     def attention_layout(self) -> SegmentLayout:
         """What the trainer's packed attention takes (`attention.SegmentLayout`): memory linear in L."""
@@ -102,15 +105,16 @@ def pack_shared_prefix(
     pos = torch.zeros(g, length, dtype=torch.long)
     seg = torch.full((g, length), PAD_SEGMENT, dtype=torch.long)
     tgt = torch.zeros(g, length, dtype=torch.long)
+    owner = torch.full((g, length), -1, dtype=torch.long)
     source = torch.full((rows, width - 1), g * length, dtype=torch.long)
     for r, (sub, body, members) in enumerate(units):
         first = members[0]
         ids[r, :body], pos[r, :body], seg[r, :body] = first[:body], torch.arange(body), 0
-        tgt[r, :body] = first[1 : body + 1]
+        tgt[r, :body], owner[r, :body] = first[1 : body + 1], sub[0]
         at = body
         for j, (i, s) in enumerate(zip(sub, members), start=1):
             own = len(s) - body  # this row's tokens from its copy of the last common token on
-            ids[r, at : at + own], seg[r, at : at + own] = s[body:], j
+            ids[r, at : at + own], seg[r, at : at + own], owner[r, at : at + own] = s[body:], j, i
             pos[r, at : at + own] = torch.arange(body, len(s))
             tgt[r, at : at + own - 1] = s[body + 1 :]
             if len(s) > 1:  # token m+1 of the row is predicted at the packed place of token m
@@ -118,7 +122,7 @@ def pack_shared_prefix(
                 source[i, cols[i][1:] - 1] = r * length + place
             at += own
     first_row = torch.tensor([sub[0] for sub, _, _ in units], dtype=torch.long)
-    return SharedPrefixRows(ids, pos, seg, tgt, source, first_row)
+    return SharedPrefixRows(ids, pos, seg, tgt, source, first_row, owner)
 
 
 def _common_prefix(seqs: list[Tensor]) -> int:
