@@ -119,7 +119,7 @@ def shape_dict(path):
 
 
 def test_mrope_positions_match_transformers_get_rope_index(qwen):
-    path, hf = qwen[0], qwen[1]
+    hf = qwen[1]
     pix, grid = images([(56, 112), (84, 56)])  # two images of different grids
     ids = with_images([1, 20, None, 30, 31, None, 40, 41, 42], grid)
     got = mrope_positions(torch.tensor(ids), grid, IMG, merge=2)
@@ -153,8 +153,6 @@ def test_logits_match_transformers(qwen):
 
 
 def test_conversion_round_trip_and_export_loads_in_transformers(qwen):
-    import transformers
-
     path, hf, model, encoder = qwen
     shape = LlamaShape.from_hf_dir(path)
     disk = read_hf_state_dict(path)
@@ -172,7 +170,6 @@ def test_conversion_round_trip_and_export_loads_in_transformers(qwen):
     assert split_qwen_vl_state_dict(module)[0].keys() - tied == lm.keys() - tied
     with pytest.raises(ConfigError, match="no `visual"):
         split_qwen_vl_state_dict(lm)
-    del transformers
 
 
 def test_packed_samples_match_transformers_per_row(qwen):
