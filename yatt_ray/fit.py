@@ -119,6 +119,12 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     from yatt_ray.train.hf_convert import LlamaShape, check_tp_size, is_vision_model
 
     shape = LlamaShape.from_hf_dir(config.model.path)
+    if shape.mrope_section is not None:
+        raise ConfigError(
+            f"model.path={config.model.path!r} is a Qwen2-VL / Qwen2.5-VL model: its conversion and M-RoPE are "
+            "in the trainer (yatt_ray/train/qwen_vl.py) but fit() does not train it yet (the policy, its data "
+            "path and engines come next); train a LLaVA-architecture or a text model for now"
+        )
     images = is_vision_model(config.model.path)
     if images and config.critic.enable:
         raise ConfigError(

@@ -112,7 +112,7 @@ class DriverProgress:
 
             for stage, at in ray.get(self.hub.marks.remote(), timeout=self.config.cluster.timeout_s).items():
                 self.startup.mark(stage, at)
-        write_startup(self.output_dir / "startup.json", self.startup.marks)
+        write_startup(self.output_dir / "startup.json", self.startup.marks, self.startup.origin)
 
     def _write_timeline(self) -> None:
         if not self.spans:
@@ -142,7 +142,7 @@ class DriverProgress:
                 first, last = sum(values[:k]) / k, sum(values[-k:]) / k
                 lines.append(f"  {key:<18} first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
         lines += perf_report_lines([r for r in self.history if "reward_mean" in r])
-        startup = report_line(self.startup.marks) if self.startup is not None else ""
+        startup = report_line(self.startup.marks, self.startup.origin) if self.startup is not None else ""
         if startup:
             lines.append(startup)
         idle = idle_report_line(self.idle, self.spans)

@@ -9,10 +9,12 @@ import pytest
 from tests.unit.test_controller import controller
 from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.metrics.startup import (
+    IMPORT_WINDOW_S,
     STAGE_NAMES,
     Startup,
     first_step_seconds,
     format_table,
+    origin,
     report_line,
     startup_table,
     write_startup,
@@ -33,6 +35,15 @@ def test_the_table_orders_stages_by_the_run_and_times_each_from_the_previous_mar
     write_startup(tmp_path / "startup.json", marks)
     saved = json.loads((tmp_path / "startup.json").read_text())
     assert saved["marks"] == marks and [r["stage"] for r in saved["table"]][-1] == "first_step_done"
+
+
+def test_the_start_counts_from_the_command_only_for_a_fresh_process_first_fit():
+    """A notebook (or a benchmark that warmed a model up first) counted its minutes before fit() as start-up."""
+    assert origin(105.0, 100.0, earlier_fits=0) == (100.0, "the command")
+    assert origin(100.0 + IMPORT_WINDOW_S + 1, 100.0, 0) == (100.0 + IMPORT_WINDOW_S + 1, "the fit() call")
+    assert origin(105.0, 100.0, earlier_fits=1) == (105.0, "the fit() call")  # a second fit() in the process
+    marks = {"command": 0.0, "first_step_done": 12.0}
+    assert "12.0 s from the fit() call to the end of step 1" in report_line(marks, "the fit() call")
 
 
 def test_the_first_mark_of_a_stage_wins_and_unknown_stages_are_refused():

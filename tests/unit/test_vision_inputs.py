@@ -92,3 +92,18 @@ def test_a_row_without_images_gets_no_image_of_the_models_shape(vlm):
 
 def test_a_text_model_has_no_image_layout(tmp_path):
     assert ImageLayout.from_model_dir(build_tiny_model(tmp_path / "llama")) is None
+
+
+def test_a_qwen_vl_model_is_refused_before_cluster_work_for_now(files, tmp_path):
+    """Its trainer-side pieces exist (tests/vision/test_qwen_vl.py); fit() says so instead of failing later."""
+    from yatt_ray.models.tiny_qwen_vl import build_tiny_qwen_vl
+
+    path = build_tiny_qwen_vl(tmp_path / "qwen_vl")
+    config = yatt_ray.load_config(
+        "examples/configs/grpo_vision.yaml",
+        [f"model.path={path}", f"data.train_files=[{files[0]}]", "data.eval_files=[]",
+         f"output.dir={tmp_path / 'out'}", "train.prompts_per_step=2"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="Qwen2-VL / Qwen2.5-VL model.*fit\\(\\) does not train it yet"):
+        yatt_ray.fit(config)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

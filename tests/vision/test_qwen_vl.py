@@ -1,6 +1,9 @@
 """The trainer side of a Qwen2-VL / Qwen2.5-VL policy: the tiny models, the shape and M-RoPE positions,
 conversion both ways, and Megatron's decoder with the vision transformer against transformers' logits."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,6 +35,9 @@ from yatt_ray.train.qwen_vl import (
     split_qwen_vl_state_dict,
 )
 from yatt_ray.train.vision import decoder_input, forward_with_decoder_input, packed_image_index
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # the gloo harness of tests/train
+from dist_harness import run_ranks  # noqa: E402
 
 IMG = IMAGE_TOKEN_ID
 LOGITS_ATOL = 1e-4
@@ -150,6 +156,36 @@ def test_logits_match_transformers(qwen):
     diff = (got - want).abs().max().item()
     assert diff < LOGITS_ATOL, diff
     assert (changed - want).abs().max() > 100 * LOGITS_ATOL  # the pixels reach the logits
+
+
+def _tp_logits(rank, world_size, model_dir, ids, pix, grid):
+    """One TP rank's vocabulary shard of the logits [T, V / tp] (rank r holds columns r*V/tp ...)."""
+    from yatt_ray.train import init_parallel_state
+
+    init_parallel_state(world_size)
+    seed_everything(0)
+    shape = LlamaShape.from_hf_dir(model_dir)
+    model = build_gpt_model(shape).eval()
+    lm, _ = split_qwen_vl_state_dict(read_hf_state_dict(model_dir))
+    load_megatron_shard(model, hf_to_megatron(lm, shape, tp_rank=rank, tp_size=world_size), model_dir)
+    encoder = QwenVisionEncoder.from_hf_dir(model_dir).eval()
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        emb = decoder_input(model, t, encoder(pix, grid), IMG)
+        positions = mrope_positions(t[0], grid, IMG, 2)[:, None]
+        return forward_with_decoder_input(model, t, positions, None, emb)[0]
+
+
+def test_logits_match_transformers_at_tp2(qwen):
+    path, hf = qwen[0], qwen[1]
+    pix, grid = images([(84, 112), (56, 56)], seed=5)
+    ids = with_images([1, 20, None, 30, 31, None, 40], grid)
+    shards = run_ranks(_tp_logits, 2, str(path), ids, pix, grid, timeout_s=180.0)
+    assert shards[0].shape[-1] == shards[1].shape[-1] == 64  # each rank holds half the vocabulary
+    with torch.no_grad():
+        want = hf_logits(hf, ids, pix, grid)
+    diff = (torch.cat(shards, dim=-1) - want).abs().max().item()
+    assert diff < LOGITS_ATOL, diff
 
 
 def test_conversion_round_trip_and_export_loads_in_transformers(qwen):
