@@ -49,7 +49,8 @@ def test_peak_table_by_device_name_and_dtype():
     assert table_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 on a V100
 
 
-def test_cpu_peak_is_measured_and_an_override_wins():
+def test_cpu_peak_is_measured_and_an_override_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # an empty cache: measured here
     rate = measure_matmul_flops(threads=1, size=128, seconds=0.02)
     assert 1e6 < rate < 1e13
     threads = torch.get_num_threads()
@@ -62,6 +63,16 @@ def test_cpu_peak_is_measured_and_an_override_wins():
         assert measured.peak_source.startswith("measured: fp32 matmul (best of MKL, oneDNN), 1 thread")
         bf16 = worker_perf_model(SHAPE, threads=1, override=None, dtype=torch.bfloat16)
         assert bf16.peak_source.startswith("measured: bf16 matmul") and bf16.peak_flops > 0
+        import yatt_ray.metrics.flops as flops_module
+
+        def no_measuring(*args, **kwargs):
+            raise AssertionError("measured again although cached")
+
+        monkeypatch.setattr(flops_module, "measure_matmul_flops", no_measuring)
+        again = worker_perf_model(SHAPE, threads=1, override=None)  # the next start reads the cache
+        assert again.peak_flops == measured.peak_flops
+        with pytest.raises(AssertionError, match="measured again"):  # another thread count is another key
+            worker_perf_model(SHAPE, threads=2, override=None)
 
 
 @pytest.mark.parametrize("lengths", [[1], [5, 2, 9]])

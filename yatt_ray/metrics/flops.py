@@ -159,7 +159,8 @@ def worker_perf_model(
     shape, threads: int, override: float | None, dtype: torch.dtype = torch.float32
 ) -> PerfModel:
     """This worker's PerfModel: `cluster.peak_flops` when set, else the table for its CUDA device and `dtype`,
-    else (CPU) a measured matmul peak in `dtype` with its `threads`."""
+    else (CPU) a measured matmul peak in `dtype` with its `threads` (measured once per machine and cached
+    beside the kernel choices, `train.kernels.cache_path()`: ~0.7 s off every later start)."""
     flops = ModelFlops.from_shape(shape)
     if override is not None:
         return PerfModel(flops, override, "cluster.peak_flops")
@@ -168,9 +169,12 @@ def worker_perf_model(
         peak = table_peak(name, key)
         source = f"table: {name} {key}" if peak else f"unknown: {name} {key} (set cluster.peak_flops)"
         return PerfModel(flops, peak, source)
+    from yatt_ray.train.kernels import cache_key, cached_measurement
+
+    key = cache_key("peak-v1", dtype, threads)  # measured once per machine, dtype and thread count
     return PerfModel(
         flops,
-        measure_matmul_flops(threads, dtype=dtype),
+        cached_measurement(key, lambda: measure_matmul_flops(threads, dtype=dtype), float),
         f"measured: {'bf16' if dtype == torch.bfloat16 else 'fp32'} matmul (best of MKL, oneDNN), {threads} "
         "thread(s)",
     )

@@ -75,11 +75,22 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     measured now (about a second) and cached. The caller's thread count is restored."""
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
-    key = "|".join(
-        map(str, ("v3", _cpu_model(), torch.__version__, dtype, max_threads, shape.hidden_size,
-                  shape.ffn_hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                  onednn_linear_available()))
-    )  # fmt: skip
+    key = cache_key("v3", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
+                    shape.num_kv_heads, shape.head_dim, onednn_linear_available())  # fmt: skip
+    return cached_measurement(
+        key, lambda: asdict(_measure(shape, max(1, max_threads), dtype)), lambda v: KernelChoice(**v)
+    )
+
+
+def cache_key(*parts) -> str:
+    """A cache key for a measurement on this machine: the CPU model and torch version, then `parts`."""
+    return "|".join(map(str, (parts[0], _cpu_model(), torch.__version__, *parts[1:])))
+
+
+def cached_measurement(key: str, measure, read=lambda v: v):
+    """`read(value)` of `key` in the machine's cache (`cache_path()`), or `measure()` now (a JSON value),
+    stored under `key` and read. An entry `read` cannot take (another version's) is measured again; a cache
+    that cannot be written (a read-only home) only means measuring next time too."""
     path = cache_path()
     try:
         cached = json.loads(path.read_text())
@@ -87,20 +98,21 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
         cached = {}
     if not isinstance(cached, dict):
         cached = {}
-    try:
-        return KernelChoice(**cached[key])
-    except (KeyError, TypeError):  # not measured yet, or an entry this version cannot read: measure again
-        pass
-    choice = _measure(shape, max(1, max_threads), dtype)
-    cached[key] = asdict(choice)
+    if key in cached:
+        try:
+            return read(cached[key])
+        except (KeyError, TypeError, ValueError):
+            pass
+    value = measure()
+    cached[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cached, indent=1))
         tmp.replace(path)
     except OSError:
-        pass  # a read-only home: measure again next time
-    return choice
+        pass
+    return read(value)
 
 
 def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
