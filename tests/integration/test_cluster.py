@@ -29,8 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run_isolated(script: str, args: list[str], timeout_s: float) -> dict:
     """Run `script args` in a fresh interpreter on its own Ray temp dir; it prints one JSON line last."""
-    # Short: Ray puts Unix sockets under the temp dir (paths are limited to ~107 bytes).
-    with tempfile.TemporaryDirectory(prefix="yr-", dir="/tmp") as tmp:
+    # Short: Ray puts Unix sockets under the temp dir (paths are limited to ~107 bytes). Cleanup errors are
+    # ignored: a Ray log writer still closing after the script exits made rmtree fail ("Directory not empty")
+    # on a run whose result was fine.
+    with tempfile.TemporaryDirectory(prefix="yr-", dir="/tmp", ignore_cleanup_errors=True) as tmp:
         env = {
             k: v
             for k, v in os.environ.items()
