@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -85,13 +85,13 @@ def qwen_vl_config(spec: TinyQwenVLSpec | None = None):
         raise ValueError(f"mrope_section {spec.mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(spec.mrope_section)}
     text.update(tie_word_embeddings=spec.tie_word_embeddings, initializer_range=0.1)
-    ids = dict(
+    ids: dict[str, Any] = dict(
         image_token_id=IMAGE_TOKEN_ID,
         video_token_id=VIDEO_TOKEN_ID,
         vision_start_token_id=VISION_START_ID,
         vision_end_token_id=VISION_END_ID,
     )
-    common = dict(
+    common: dict[str, Any] = dict(
         spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, patch_size=PATCH, depth=spec.vision_layers
     )
     if spec.variant == "qwen2_vl":
@@ -102,7 +102,7 @@ def qwen_vl_config(spec: TinyQwenVLSpec | None = None):
             mlp_ratio=spec.vision_intermediate_size // spec.vision_hidden_size,
             num_heads=spec.vision_heads,
         )
-        config_class = transformers.Qwen2VLConfig
+        config_class: Any = transformers.Qwen2VLConfig
     elif spec.variant == "qwen2_5_vl":
         vision = dict(
             common,

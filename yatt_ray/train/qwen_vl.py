@@ -79,7 +79,7 @@ def text_config_dict(cfg: dict) -> tuple[dict, tuple[int, int, int]]:
             f"a {cfg.get('model_type')} config without a 3-part rope mrope_section ({rope}); the checkpoint's "
             "config.json should carry text_config.rope_parameters.mrope_section (e.g. [16, 24, 24])"
         )
-    theta = float(rope.get("rope_theta", text.get("rope_theta") or 1000000.0))
+    theta = float(rope.get("rope_theta") or text.get("rope_theta") or 1000000.0)
     text.pop("rope_scaling", None)
     text.update(
         model_type="qwen2",
