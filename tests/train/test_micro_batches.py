@@ -44,9 +44,10 @@ def test_edge_cases():
 
 def test_micro_batch_indices_fixed_and_budget():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1], [1, 1, 1, 0]])
-    # real tokens 2 4 3 1 3: ceil(5 / 2) = 3 micro-batches balanced by Karmarkar-Karp: 5 4 4 (consecutive
-    # chunks [0, 1] [2, 3] [4] would cost 6 4 3)
-    assert micro_batch_indices(mask, 2, None) == [[0, 2], [1], [3, 4]]
+    # real tokens 2 4 3 1 3: ceil(5 / 2) = 3 micro-batches of similar lengths, longest first: [1, 2] [4, 0] [3],
+    # padded sizes 8 6 1 (Karmarkar-Karp's balanced sums [0, 2] [1] [3, 4] would pad to 6 4 6, consecutive
+    # chunks [0, 1] [2, 3] [4] to 8 6 3)
+    assert micro_batch_indices(mask, 2, None) == [[0, 4], [1, 2], [3]]
     assert micro_batch_indices(mask, 1, None) == [[0], [1], [2], [3], [4]]
     assert micro_batch_indices(mask, 8, None) == [[0, 1, 2, 3, 4]]
     assert micro_batch_indices(mask, 2, 9) == [[1, 2], [4, 0, 3]]  # the budget wins over micro_batch_size
@@ -62,7 +63,7 @@ def test_select_rows_indexes_row_tensors_only():
     assert select_rows(batch, 5, [1, 2], "cpu")["x"].tolist() == [1, 2]
 
 
-def test_fixed_size_keeps_groups_and_balances_tokens():
+def test_fixed_size_keeps_groups_and_pads_least():
     g = torch.Generator().manual_seed(0)
     rows, group = (
         22,
@@ -76,9 +77,19 @@ def test_fixed_size_keeps_groups_and_balances_tokens():
     for m in plan:
         assert m == sorted(m)
         assert all(m[k] % group == 0 and m[k + 1] == m[k] + 1 for k in range(0, len(m), group))
-    tokens = [int(mask[m].sum()) for m in plan]
-    chunks = [int(mask[s : s + 6].sum()) for s in range(0, rows, 6)]
-    assert max(tokens) - min(tokens) < max(chunks) - min(chunks)
+
+    def padded(parts):  # what the packed forward computes: groups x the longest group's real tokens
+        return sum(len(m) // group * max(int(mask[k : k + group].sum()) for k in m[::group]) for m in parts)
+
+    chunks = [list(range(s, min(s + 6, rows))) for s in range(0, rows, 6)]
+    assert padded(plan) < padded(chunks)
+    from yatt_ray.train.balance import karmarkar_karp
+
+    sums = [int(mask[k : k + group].sum()) for k in range(0, rows, group)]
+    balanced = [
+        [i for k in part for i in range(k * group, k * group + group)] for part in karmarkar_karp(sums, 4)
+    ]
+    assert padded(plan) < padded(balanced)  # the former balanced-sums split
     assert [m[0] for m in plan] == sorted(m[0] for m in plan)  # ordered by first row
 
 

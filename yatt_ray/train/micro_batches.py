@@ -5,9 +5,13 @@ row indices; the trainer runs one forward (and backward) per list and writes per
 indices, so callers always get rows in their original order.
 
 Fixed size: with k = max(1, micro_batch_size // group_size) groups per micro-batch, the G groups go into
-M = ceil(G / k) micro-batches of equal group count (sizes differ by at most one, none above k) whose token
-sums are balanced by `balance.karmarkar_karp`, the cost of a group being its real tokens. Rows within a
-micro-batch are ascending; micro-batches are ordered by their first row.
+M = ceil(G / k) micro-batches of equal group count (sizes differ by at most one, none above k), taken in order
+of decreasing real tokens: the packed forward runs (groups x longest packed group) token positions per
+micro-batch, so groups of similar length together waste the least on padding (micro-batches run one after
+another, so balancing their sums would buy nothing; balancing across data-parallel ranks is `balance.py`'s).
+The longest groups share the first micro-batch, whose padded size, k x the longest, is what any split of the
+same counts has at its largest. Rows within a micro-batch are ascending; micro-batches are ordered by their
+first row.
 
 Token budget: `plan_micro_batches` plans units (groups) of given lengths so that (units x longest unit) stays
 within the budget, which is what the packed forward computes: `packing.pack_shared_prefix` packs each group
@@ -21,8 +25,6 @@ micro-batch always sets its width.
 from __future__ import annotations
 
 import torch
-
-from yatt_ray.train.balance import karmarkar_karp
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -66,8 +68,8 @@ def micro_batch_indices(
 
     With `max_tokens` (the token budget) the groups are planned by `plan_micro_batches` over their packed
     lengths and `micro_batch_size` is ignored; otherwise ceil(G / k) micro-batches of k = `micro_batch_size`
-    rows rounded down to whole groups (at least one group) or fewer, of equal group count and balanced real
-    tokens (Karmarkar-Karp; see the module docstring).
+    rows rounded down to whole groups (at least one group) or fewer, of equal group count, groups of similar
+    real tokens together (longest first; see the module docstring).
     """
     rows = attention_mask.shape[0]
     groups = [list(range(s, min(s + group_size, rows))) for s in range(0, rows, group_size)]
@@ -80,8 +82,10 @@ def micro_batch_indices(
             "max_tokens_per_micro_batch budget."
         )
     per_micro = max(1, micro_batch_size // group_size)
-    parts = karmarkar_karp(lengths, -(-len(groups) // per_micro)) if groups else []
-    return [[i for k in part for i in groups[k]] for part in parts]
+    order = sorted(range(len(groups)), key=lambda k: (-lengths[k], k))
+    parts = [sorted(p.tolist()) for p in torch.tensor(order).tensor_split(-(-len(groups) // per_micro))]
+    plan = [[i for k in part for i in groups[k]] for part in parts if part]
+    return sorted(plan, key=lambda m: m[0])
 
 
 def select_rows(batch: dict, rows: int, index: list[int], device) -> dict:
