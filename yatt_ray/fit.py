@@ -273,8 +273,10 @@ def _run(
 
     from yatt_ray.metrics.hub import start_hub
     from yatt_ray.progress import DriverProgress
-    from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
     from yatt_ray.run_control import StopOnSignal, abort_training, start_control
+
+    if plan.genrm is not None:  # Ray Serve's import (~0.5 s of CPU while the workers start) only with a judge
+        from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
     hub, control = start_hub(), start_control()
     trainer = _trainer(config, plan, files, real_gpus, output_dir, {"hub": hub, "control": control})
