@@ -71,6 +71,19 @@ def family_config(family: str, spec: TinyModelSpec | None = None, tie_word_embed
     )
 
 
+def randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
+    """Draw the weights transformers initialises to constants: norm scales (every 1-D `.weight`, ones at init)
+    ~ 1 + 0.2 N(0, 1), biases (zeros at init) ~ 0.1 N(0, 1), so each channel differs and a conversion that
+    drops or misplaces one changes the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".weight") and p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
 def build_family_model(
     family: str,
     out_dir: str | Path,
@@ -87,13 +100,7 @@ def build_family_model(
     seed = spec.seed + 1000 * FAMILY_NAMES.index(family)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones at init: make each channel's scale differ
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):  # zeros at init
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    randomize_norms_and_biases(model, seed + 1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

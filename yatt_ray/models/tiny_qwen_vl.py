@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from yatt_ray.models.families import randomize_norms_and_biases
 from yatt_ray.models.tiny import CHARACTERS, SPECIAL_TOKENS, TinyModelSpec, build_tokenizer, decoder_config
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
@@ -151,13 +152,7 @@ def build_tiny_qwen_vl(out_dir: str | Path, spec: TinyQwenVLSpec | None = None) 
     }[spec.variant]
     torch.manual_seed(spec.seed)
     model = model_class(config)
-    g = torch.Generator().manual_seed(spec.seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".weight") and p.dim() == 1:  # norm scales: ones at init
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):  # zeros at init
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    randomize_norms_and_biases(model, spec.seed + 1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -206,13 +206,10 @@ class QwenVisionEncoder(torch.nn.Module):
     @classmethod
     def from_hf(cls, config: Any, vision_sd: StateDict) -> QwenVisionEncoder:
         """Build from a Qwen VL config and its `visual.*` weights (ConfigError naming missing / extra ones)."""
+        from yatt_ray.train.vision import load_exactly
+
         encoder = cls(config)
-        result = encoder.load_state_dict(vision_sd, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ConfigError(
-                f"the vision weights do not fit the Qwen VL config: missing={result.missing_keys[:5]}, "
-                f"unexpected={result.unexpected_keys[:5]}; the checkpoint and config.json disagree"
-            )
+        load_exactly(encoder, vision_sd, "Qwen VL")
         return encoder
 
     @classmethod

@@ -297,13 +297,7 @@ class VisionEncoder(torch.nn.Module):
         """Build from a LLaVA config and its vision weights (any layout, e.g. `split_llava_state_dict`'s
         second part); every weight must be present (ConfigError naming the missing / unexpected ones)."""
         encoder = cls(config)
-        own = {_encoder_name(n): t for n, t in vision_sd.items()}
-        result = encoder.load_state_dict(own, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ConfigError(
-                f"the vision weights do not fit the LLaVA config: missing={result.missing_keys[:5]}, "
-                f"unexpected={result.unexpected_keys[:5]}; the checkpoint and config.json disagree"
-            )
+        load_exactly(encoder, {_encoder_name(n): t for n, t in vision_sd.items()}, "LLaVA")
         return encoder
 
     @classmethod
@@ -347,6 +341,17 @@ class VisionEncoder(torch.nn.Module):
         `multi_modal_projector.*`; "module": with `model.` in front), detached (for export and weight sync)."""
         prefix = "model." if layout == "module" else ""
         return {prefix + n: t.detach() for n, t in self.state_dict().items()}
+
+
+def load_exactly(module: torch.nn.Module, sd: StateDict, kind: str) -> None:
+    """`module.load_state_dict(sd)`, raising ConfigError naming the missing / unexpected weights (the first
+    five of each) unless `sd` sets every parameter and holds nothing else."""
+    result = module.load_state_dict(sd, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ConfigError(
+            f"the vision weights do not fit the {kind} config: missing={result.missing_keys[:5]}, "
+            f"unexpected={result.unexpected_keys[:5]}; the checkpoint and config.json disagree"
+        )
 
 
 def _encoder_name(name: str) -> str:
