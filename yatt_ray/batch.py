@@ -15,11 +15,12 @@ Fields filled by later phases (None until then): reward: `rewards` [N] (and `gre
 for ReMax's baseline); log-probs: `old_logp`, `ref_logp`, `values`, `tis_weights` [N, R]; advantages:
 `advantages`, `returns` [N, R].
 
-Image prompts (a vision-language policy) add, from the rollout on: `pixel_values` [N, I, 3, H, W] float32, row
-i's images (its prompt's, repeated for each of the prompt's samples; I the most images of any row, unused
-slots zero; I = 0 when no row has one) and `image_count` [N] long, how many of the I are row i's (0 for a row
-without images: a text row, whose pixels the trainer never encodes). The images' tokens are already in
-`input_ids` (each image expanded to its tokens), so the trainer swaps their embeddings for image features.
+Image prompts (a vision-language policy) add, from the rollout on, each prompt's images ONCE however many
+samples it has: `images` (a `PromptImages`: the pixels of the batch's prompts, prompt after prompt) and the row
+field `image_prompt` [N] long, row i's prompt in `images` (a prompt without images has none: a text row, whose
+pixels the trainer never encodes). The images' tokens are already in `input_ids` (each image expanded to its
+tokens), so the trainer swaps their embeddings for image features. Selecting rows (`rows`) keeps the images of
+the prompts they name and renumbers `image_prompt`; `concat` joins and renumbers them.
 """
 
 from __future__ import annotations
@@ -32,9 +33,119 @@ from torch import Tensor
 
 ROW_FIELDS = (
     "input_ids", "attention_mask", "response_mask", "rollout_logp", "rewards",
-    "old_logp", "ref_logp", "values", "tis_weights", "advantages", "returns", "pixel_values", "image_count",
+    "old_logp", "ref_logp", "values", "tis_weights", "advantages", "returns", "image_prompt",
 )  # fmt: skip
-IMAGE_FIELDS = ("pixel_values", "image_count")  # no token width: padding leaves them as they are
+
+
+@dataclass(frozen=True)
+class Pixels:
+    """One prompt's images as its model reads them.
+
+    values [P, *S] float32: LLaVA: one row per image (P = I, S = (C, H, W)); Qwen2-VL / 2.5-VL: one row per
+           patch of every image in turn (S = (C * temporal_patch * patch^2,)).
+    grid   [I, 3] long: Qwen VL's `image_grid_thw` (image k has t*h*w patch rows); None for LLaVA.
+    A prompt without images: P = 0 (and I = 0)."""
+
+    values: Tensor
+    grid: Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        """I, the number of images."""
+        return len(self.grid) if self.grid is not None else len(self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + (0 if self.grid is None else self.grid.nbytes)
+
+
+@dataclass
+class PromptImages:
+    """The images of G prompts, each prompt's once: its `Pixels` one after the other.
+
+    values [sum P_g, *S]; rows [G] long (P_g: prompt g's pixel rows); counts [G] long (I_g: its images);
+    grid [sum I_g, 3] long or None (LLaVA). Every prompt's S is the same (the processor's)."""
+
+    values: Tensor
+    rows: Tensor
+    counts: Tensor
+    grid: Tensor | None = None
+
+    @classmethod
+    def of(cls, prompts: list[Pixels]) -> PromptImages:
+        """From each prompt's pixels, in order (ValueError when their row shapes S differ)."""
+        if not prompts:
+            raise ValueError("PromptImages.of: no prompts")
+        shapes = {tuple(p.values.shape[1:]) for p in prompts}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"PromptImages.of: the prompts' pixel rows differ in shape {sorted(shapes)}; the image processor "
+                "must give every image rows of the model's shape, and a prompt without images [0, *S] of that shape "
+                "(as prompts.PromptEncoder does)"
+            )
+        grids = [p.grid for p in prompts if p.grid is not None]
+        return cls(
+            values=torch.cat([p.values.float() for p in prompts]),
+            rows=torch.tensor([len(p.values) for p in prompts], dtype=torch.long),
+            counts=torch.tensor([p.count for p in prompts], dtype=torch.long),
+            grid=torch.cat(grids).long() if grids else None,
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def prompt(self, g: int) -> Pixels:
+        """Prompt g's pixels."""
+        return self._prompts([g])[0]
+
+    def select(self, prompts: list[int]) -> PromptImages:
+        """The images of `prompts` (indices into this), in that order."""
+        return PromptImages.of(self._prompts(prompts)) if prompts else self._empty()
+
+    def _prompts(self, prompts: list[int]) -> list[Pixels]:
+        row_at = [0, *self.rows.cumsum(0).tolist()]
+        image_at = [0, *self.counts.cumsum(0).tolist()]
+        out = []
+        for g in prompts:
+            values = self.values[row_at[g] : row_at[g + 1]]
+            out.append(
+                Pixels(values, None if self.grid is None else self.grid[image_at[g] : image_at[g + 1]])
+            )
+        return out
+
+    def _empty(self) -> PromptImages:
+        none = torch.zeros(0, dtype=torch.long)
+        grid = None if self.grid is None else self.grid[:0]
+        return PromptImages(self.values[:0], none, none.clone(), grid)
+
+    @classmethod
+    def cat(cls, parts: list[PromptImages]) -> PromptImages:
+        """The prompts of `parts`, one part after the other."""
+        grids = [p.grid for p in parts if p.grid is not None]
+        return cls(
+            values=torch.cat([p.values for p in parts]),
+            rows=torch.cat([p.rows for p in parts]),
+            counts=torch.cat([p.counts for p in parts]),
+            grid=torch.cat(grids) if grids else None,
+        )
+
+    def tensors(self) -> list[Tensor]:
+        """values, rows, counts (and grid): what a message between ranks carries (`from_tensors` inverts)."""
+        return [self.values, self.rows, self.counts] + ([] if self.grid is None else [self.grid])
+
+    @classmethod
+    def from_tensors(cls, tensors: list[Tensor]) -> PromptImages:
+        return cls(*tensors)  # type: ignore[arg-type]
+
+
+def prompt_images(pixels: list[Pixels], repeat: int) -> tuple[PromptImages, Tensor]:
+    """Per prompt pixels (G prompts, each with `repeat` consecutive samples) -> (`images`, `image_prompt`
+    [G * repeat] long: row i's prompt is i // repeat)."""
+    return PromptImages.of(pixels), torch.arange(len(pixels)).repeat_interleave(repeat)
 
 
 @dataclass
@@ -55,8 +166,8 @@ class RolloutBatch:
     tis_weights: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
-    pixel_values: Tensor | None = None
-    image_count: Tensor | None = None
+    image_prompt: Tensor | None = None
+    images: PromptImages | None = None
     truncated: int = 0  # responses cut at rollout.max_new_tokens
     prompts_clipped: int = 0  # prompts longer than data.max_prompt_tokens (kept their last tokens)
     counters: dict[str, float] = field(default_factory=dict)  # the controller's GenRM and memory counters
@@ -71,9 +182,21 @@ class RolloutBatch:
         return per_position[:, self.prompt_width - 1 :]
 
     def rows(self, index: Tensor) -> RolloutBatch:
-        """The samples at `index` (a mini-batch); per-prompt fields (`greedy_rewards`) are dropped."""
+        """The samples at `index` (a mini-batch); per-prompt fields (`greedy_rewards`) are dropped, the images
+        of the prompts the rows name are kept (`image_prompt` renumbered in ascending prompt order)."""
         picked = {name: getattr(self, name)[index] for name in ROW_FIELDS if getattr(self, name) is not None}
-        return dataclasses.replace(self, greedy_rewards=None, **picked)
+        images = self.images
+        if images is not None and self.image_prompt is not None:
+            used = picked["image_prompt"].unique()  # sorted
+            images = images.select(used.tolist())
+            picked["image_prompt"] = torch.searchsorted(used, picked["image_prompt"])
+        return dataclasses.replace(self, greedy_rewards=None, images=images, **picked)
+
+    def image_inputs(self) -> dict:
+        """What the trainer's passes take besides the tokens: {"image_prompt", "images"} ({} for text)."""
+        if self.images is None:
+            return {}
+        return {"image_prompt": self.image_prompt, "images": self.images}
 
     def tensors(self) -> dict[str, Tensor]:
         """The per-sample tensors that are set, by name: what the trainer's micro-batches slice."""
@@ -130,7 +253,7 @@ def pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_id: 
         return batch
     padded = {}
     for name, value in batch.tensors().items():
-        if value.ndim < 2 or name in IMAGE_FIELDS:
+        if value.ndim < 2:
             continue
         before = left if name in FULL_WIDTH_FIELDS else 0
         fill = pad_id if name == "input_ids" else 0
@@ -152,9 +275,18 @@ def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
         raise ValueError(f"concat: the batches set different row fields: {names}")
     width_p = max(b.prompt_width for b in batches)
     width_r = max(b.input_ids.shape[1] - b.prompt_width for b in batches)
-    slots = max_images(batches)
-    padded = [pad_images(pad_to(b, width_p, width_r, pad_id), slots) for b in batches]
+    padded = [pad_to(b, width_p, width_r, pad_id) for b in batches]
     joined = {name: torch.cat([b.tensors()[name] for b in padded]) for name in names[0]}
+    images = None
+    if batches[0].images is not None:
+        parts = [b.images for b in batches if b.images is not None]
+        if len(parts) != len(batches):
+            raise ValueError(
+                "concat: some batches have images and some do not (a text batch of a vision run?)"
+            )
+        offsets = torch.tensor([0] + [len(p) for p in parts[:-1]]).cumsum(0)
+        joined["image_prompt"] = torch.cat([b.tensors()["image_prompt"] + o for b, o in zip(padded, offsets)])
+        images = PromptImages.cat(parts)
     return dataclasses.replace(
         batches[0],
         prompt_width=width_p,
@@ -162,45 +294,6 @@ def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
         truncated=sum(b.truncated for b in batches),
         prompts_clipped=sum(b.prompts_clipped for b in batches),
         counters=dict(batches[0].counters),
+        images=images,
         **joined,  # type: ignore[arg-type]
     )
-
-
-def max_images(batches: list[RolloutBatch]) -> int:
-    """The most image slots I of any of `batches` (0 for text batches)."""
-    return max((b.pixel_values.shape[1] for b in batches if b.pixel_values is not None), default=0)
-
-
-def pad_images(batch: RolloutBatch, slots: int) -> RolloutBatch:
-    """`batch` with `pixel_values` widened to `slots` image slots ([N, I, 3, H, W] -> [N, slots, 3, H, W], new
-    slots zero; `image_count` unchanged); a text batch, or one with `slots` already, is returned as it is."""
-    pixels = batch.pixel_values
-    if pixels is None or pixels.shape[1] == slots:
-        return batch
-    if pixels.shape[1] > slots:
-        raise ValueError(f"pad_images: the batch has {pixels.shape[1]} image slots, more than {slots}")
-    wide = pixels.new_zeros((pixels.shape[0], slots, *pixels.shape[2:]))
-    wide[:, : pixels.shape[1]] = pixels
-    return dataclasses.replace(batch, pixel_values=wide)
-
-
-def stack_images(pixels: list[Tensor], repeat: int) -> tuple[Tensor, Tensor]:
-    """Per prompt pixels [I_g, C, H, W] (G prompts; I_g = 0 for a prompt without images) -> (`pixel_values`
-    [G * repeat, I, C, H, W], each prompt's repeated for its `repeat` samples, I = max I_g (0 when no prompt
-    has an image), unused slots zero; `image_count` [G * repeat] long). Every prompt's pixels have the same
-    (C, H, W), its images' or, without images, the model's (`prompts.PromptEncoder` gives it), so batches of
-    any mix of prompts join (`concat`, the balance exchange)."""
-    if not pixels:
-        raise ValueError("stack_images: no prompts")
-    shapes = {tuple(p.shape[1:]) for p in pixels}
-    if len(shapes) > 1:
-        raise ValueError(
-            f"stack_images: the prompts' pixels differ in shape [I, C, H, W] {sorted(shapes)}; the image "
-            "processor must give every image the model's size, and a prompt without images [0, C, H, W] of "
-            "that size (as prompts.PromptEncoder does)"
-        )
-    out = torch.zeros((len(pixels), max(len(p) for p in pixels), *shapes.pop()), dtype=torch.float32)
-    for g, p in enumerate(pixels):
-        out[g, : len(p)] = p
-    count = torch.tensor([len(p) for p in pixels], dtype=torch.long)
-    return out.repeat_interleave(repeat, dim=0), count.repeat_interleave(repeat)

@@ -92,6 +92,13 @@ class DataConfig(_Section):
     # entries (verl's layout); the prompt holds one <image> placeholder per image
     image_key: str = "images"
     on_bad_image: BadImagePolicy = "skip"  # skip: counted (data/bad_images), warned, consumed; raise: stop
+    # image limits. Qwen2-VL / 2.5-VL: each image is resized (aspect kept, sides multiples of 28 px) so that
+    # min_pixels <= H x W <= max_pixels, one token per 28 x 28 px (null: the model directory's
+    # preprocessor_config.json). LLaVA resizes every image to its tower's size, so these do not apply to it.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    # a row with more images is bad: skipped and counted (on_bad_image=skip) or the run stops (raise); null = any
+    max_images: int | None = None
 
 
 @dataclass
@@ -535,7 +542,15 @@ def _train_errors(t: TrainConfig) -> list[str]:
 
 
 def _data_errors(d: DataConfig) -> list[str]:
-    return _failed([(d.max_prompt_tokens >= 1, f"data.max_prompt_tokens={d.max_prompt_tokens} must be >= 1")])
+    low, high = d.min_pixels, d.max_pixels
+    return _failed([
+        (d.max_prompt_tokens >= 1, f"data.max_prompt_tokens={d.max_prompt_tokens} must be >= 1"),
+        (low is None or low >= 28 * 28, f"data.min_pixels={low} must be >= 784 (one 28 x 28 px token), or null"),
+        (high is None or high >= 28 * 28, f"data.max_pixels={high} must be >= 784 (one 28 x 28 px token), or null"),
+        (low is None or high is None or low <= high,
+         f"data.min_pixels={low} is above data.max_pixels={high}; swap them or raise max_pixels"),
+        (d.max_images is None or d.max_images >= 1, f"data.max_images={d.max_images} must be >= 1, or null"),
+    ])  # fmt: skip
 
 
 def _rollout_errors(r: RolloutConfig) -> list[str]:

@@ -30,7 +30,7 @@ from yatt_ray.algos import (
     masked_whiten,
     tis_weights,
 )
-from yatt_ray.batch import RolloutBatch, pack, stack_images
+from yatt_ray.batch import RolloutBatch, pack, prompt_images
 from yatt_ray.checkpoint.training import Resumed
 from yatt_ray.config import Config
 from yatt_ray.data.images import ERROR as IMAGE_ERROR
@@ -524,7 +524,7 @@ class GroupController:
         batch = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat], self.pad_id, n)
         batch.rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
         if self.prompts.layout is not None:
-            batch.pixel_values, batch.image_count = stack_images([g.pixels for g in groups], n)
+            batch.images, batch.image_prompt = prompt_images([g.pixels for g in groups], n)
         batch.truncated = sum(c.finish_reason == "length" for c in flat)
         batch.prompts_clipped = sum(g.clipped for g in groups)
         return batch
@@ -535,8 +535,7 @@ class GroupController:
         policy trains this step: not during the critic's warm-up)."""
         cfg, batching = self.config, self.batching
         ids, mask = batch.input_ids, batch.attention_mask
-        images = None if batch.pixel_values is None else {"pixel_values": batch.pixel_values,
-                                                           "image_count": batch.image_count}  # fmt: skip
+        images = batch.image_inputs() or None
         if is_on_policy(cfg.algo, self.kl_ctl.value) and self._policy_moves(step):
             batch.old_logp = None
         else:
@@ -576,7 +575,9 @@ class GroupController:
                     cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens,
                     record_old_logp=record,
                 )  # fmt: skip
-                tensors = {**mini.tensors(), "row": chunk} if record is not None else mini.tensors()
+                tensors = {**mini.tensors(), **mini.image_inputs()}
+                if record is not None:
+                    tensors["row"] = chunk
                 steps.append(self.policy.train_step(tensors, loss_fn, **batching))
         stats.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
         return stats

@@ -119,13 +119,14 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     from yatt_ray.train.hf_convert import LlamaShape, check_tp_size, is_vision_model
 
     shape = LlamaShape.from_hf_dir(config.model.path)
-    if shape.mrope_section is not None:
-        raise ConfigError(
-            f"model.path={config.model.path!r} is a Qwen2-VL / Qwen2.5-VL model: its conversion and M-RoPE are "
-            "in the trainer (yatt_ray/train/qwen_vl.py) but fit() does not train it yet (the policy, its data "
-            "path and engines come next); train a LLaVA-architecture or a text model for now"
-        )
     images = is_vision_model(config.model.path)
+    limits = {"min_pixels": config.data.min_pixels, "max_pixels": config.data.max_pixels}
+    if images and shape.mrope_section is None and any(v is not None for v in limits.values()):
+        raise ConfigError(
+            f"data.min_pixels / data.max_pixels ({limits}) size Qwen VL images, but model.path="
+            f"{config.model.path!r} is a LLaVA model, whose processor resizes every image to its tower's size: "
+            "drop them"
+        )
     if images and config.critic.enable:
         raise ConfigError(
             f"model.path={config.model.path!r} is a vision-language model, and the PPO critic reads text only; "
@@ -354,9 +355,9 @@ def _trainer(
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(TRAIN_POLL_S))
     pixels = None
     if is_vision_model(config.model.path):  # images are decoded and processed in Ray Data tasks
-        from yatt_ray.data.images import ClipPixels
+        from yatt_ray.data.images import pixels_processor
 
-        pixels = ClipPixels(config.model.path)
+        pixels = pixels_processor(config.model.path, config.data.min_pixels, config.data.max_pixels)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={

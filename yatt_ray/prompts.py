@@ -3,13 +3,13 @@
 A row's prompt is a string, or a list of chat messages rendered by the tokenizer's chat template with the
 generation prompt (`yatt_ray.data.images.prompt_text`); `system_prompt` (data.system_prompt) leads a chat
 without a system message, and turns a string prompt into [system, user] messages rendered the same way. For a vision-language policy (`ImageLayout` from its
-config.json) each `<image>` placeholder becomes `tokens_per_image` copies of the image token, as the model's
-processor does, so the rollout engine and the trainer see the same token positions; the row's pixels
-(`images.PIXELS`, [I, 3, H, W] from the Ray Data task) travel beside the ids. A row without images (I = 0:
-its cell null or empty, its prompt without `<image>`) gets pixels [0, C, H, W] in the model's image shape, so
-every consumer (engine, `batch.stack_images`, the balance exchange, the trainer) reads "no images" as I = 0
-and needs no case of its own (the Ray Data task cannot know the shape without an image: it gives
-[0, 3, 0, 0]).
+config.json) each `<image>` placeholder becomes the image's tokens, as the model's processor does (LLaVA:
+`tokens_per_image` image tokens; Qwen VL: `<|vision_start|>`, t*h*w / 4 `<|image_pad|>`, `<|vision_end|>`),
+so the rollout engine and the trainer see the same token positions; the row's pixels (`batch.Pixels` from the
+Ray Data task's `images.PIXELS` and, for Qwen VL, `images.GRID`) travel beside the ids. A row without images
+(its cell null or empty, its prompt without `<image>`) gets pixels [0, *S] in the model's row shape, so every
+consumer (engine, `batch.PromptImages`, the balance exchange, the trainer) reads "no images" as I = 0 and needs
+no case of its own.
 
 Prompts longer than `data.max_prompt_tokens` keep their last tokens (counted in `prompts_clipped`), unless
 that would cut an image's tokens: that is a DataError naming the row and the length it needs.
@@ -17,6 +17,7 @@ that would cut an image's tokens: that is a DataError naming the row and the len
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from yatt_ray.data.images import PIXELS, prompt_text
+from yatt_ray.batch import Pixels
+from yatt_ray.data.images import GRID, IMAGE_PLACEHOLDER, PIXELS, prompt_text
 from yatt_ray.errors import DataError
 from yatt_ray.train.hf_convert import is_vision_model
+from yatt_ray.train.qwen_vl import is_qwen_vl, qwen_vl_config
 from yatt_ray.train.vision import (
     expand_image_tokens,
     image_shape,
@@ -38,38 +41,59 @@ from yatt_ray.train.vision import (
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """How a LLaVA policy reads an image: the id of its image token, how many positions one image takes, and
-    the (channels, height, width) of the pixel_values its vision tower takes."""
+    """How a vision-language policy reads an image: the id of its image token, the shape S of one row of its
+    pixel values, and how many tokens an image takes.
+
+    LLaVA: `tokens_per_image` fixed, S = (C, H, W) (one row per image), `<image>` is one token of its
+    tokenizer. Qwen2-VL / 2.5-VL (`merge` > 1): an image of grid (t, h, w) takes t*h*w / merge^2 tokens,
+    S = (C * temporal_patch * patch^2,) (one row per patch), and `<image>` becomes
+    `<|vision_start|><|image_pad|><|vision_end|>` (`placeholder`) before tokenizing, as Qwen's chat
+    processor and verl do, the pad then expanded to the image's tokens."""
 
     token_id: int
-    tokens_per_image: int
-    image_shape: tuple[int, int, int]
+    pixel_shape: tuple[int, ...]
+    tokens_per_image: int = 0  # LLaVA
+    merge: int = 1  # Qwen VL's spatial_merge_size
+    placeholder: str = IMAGE_PLACEHOLDER  # the text an image stands as when tokenized
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ImageLayout | None:
-        """From `<path>/config.json` (`train.vision`'s readers): None for a text model (or no config.json: the
-        driver checked the model)."""
+        """From `<path>/config.json`: None for a text model (or no config.json: the driver checked the model)."""
         if not is_vision_model(path):
             return None
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        if is_qwen_vl(cfg):
+            config = qwen_vl_config(cfg)
+            vision = config.vision_config
+            row = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+            tokenizer_tokens = "<|vision_start|><|image_pad|><|vision_end|>"
+            return cls(int(config.image_token_id), (row,), merge=int(vision.spatial_merge_size),
+                       placeholder=tokenizer_tokens)  # fmt: skip
         config = llava_config(path)
-        return cls(image_token_id(config), tokens_per_image(config), image_shape(config))
+        return cls(image_token_id(config), image_shape(config), tokens_per_image(config))
+
+    def image_tokens(self, pixels: Pixels) -> list[int]:
+        """Tokens of each of `pixels`' images."""
+        if pixels.grid is None:
+            return [self.tokens_per_image] * pixels.count
+        return (pixels.grid.prod(-1) // self.merge**2).tolist()
 
 
 @dataclass(frozen=True)
 class Encoded:
     """One prompt: `text` (what the reward sees), token `ids` (images expanded, clipped), whether it was
-    clipped, and its images' pixels [I, C, H, W] float32 (I = 0 for a row without images; None for a text
-    policy)."""
+    clipped, and its images' `Pixels` (I = 0 for a row without images; None for a text policy)."""
 
     text: str
     ids: list[int]
     clipped: bool
-    pixels: torch.Tensor | None = None
+    pixels: Pixels | None = None
 
 
 class PromptEncoder:
     """`encode(row)` for a row of the prompt stream (column -> value; `id`, `prompt`, and for a vision policy
-    `images.PIXELS`); `system_prompt`: data.system_prompt ("" = none, see `prompt_text`)."""
+    `images.PIXELS` (and `images.GRID` for Qwen VL)); `system_prompt`: data.system_prompt ("" = none, see
+    `prompt_text`)."""
 
     def __init__(
         self, tokenizer: Any, max_tokens: int, layout: ImageLayout | None = None, system_prompt: str = ""
@@ -81,23 +105,35 @@ class PromptEncoder:
         text = prompt_text(
             row["prompt"], self.tokenizer, row_id=row.get("id"), system_prompt=self.system_prompt
         )
-        ids = list(self.tokenizer(text)["input_ids"])
+        layout = self.layout
         pixels = None
-        if self.layout is not None:
-            pixels = torch.from_numpy(
-                np.array(row[PIXELS], dtype=np.float32)
-            )  # a copy: Ray hands read-only arrays
-            if len(pixels) == 0:  # no images: [0, C, H, W] in the model's shape (the data task: [0, 3, 0, 0])
-                pixels = torch.zeros((0, *self.layout.image_shape), dtype=torch.float32)
-            ids = expand_image_tokens(ids, self.layout.token_id, self.layout.tokens_per_image, len(pixels))
+        if layout is None:
+            ids = list(self.tokenizer(text)["input_ids"])
+        else:
+            pixels = self._pixels(row)
+            tokenized = text.replace(IMAGE_PLACEHOLDER, layout.placeholder)
+            ids = list(self.tokenizer(tokenized)["input_ids"])
+            ids = expand_image_tokens(ids, layout.token_id, layout.image_tokens(pixels), pixels.count)
         clipped = len(ids) > self.max_tokens
         if clipped:
             cut = ids[: len(ids) - self.max_tokens]
-            if self.layout is not None and self.layout.token_id in cut:
+            if layout is not None and layout.token_id in cut:
                 raise DataError(
                     f"prompt id {row.get('id')!r}: {len(ids)} tokens with its images' tokens, more than "
                     f"data.max_prompt_tokens={self.max_tokens}, and keeping the last ones would cut an image; "
-                    f"raise data.max_prompt_tokens to at least {len(ids)}"
+                    f"raise data.max_prompt_tokens to at least {len(ids)} (or lower data.max_pixels)"
                 )
             ids = ids[-self.max_tokens :]
         return Encoded(text, ids, clipped, pixels)
+
+    def _pixels(self, row: dict) -> Pixels:
+        """The row's pixels in the model's row shape (a copy: Ray hands read-only arrays); no images: [0, *S]
+        (the data task cannot know S without an image)."""
+        assert self.layout is not None
+        values = torch.from_numpy(np.array(row[PIXELS], dtype=np.float32))
+        grid = None
+        if self.layout.merge > 1:
+            grid = torch.from_numpy(np.array(row.get(GRID, np.zeros((0, 3))), dtype=np.int64)).reshape(-1, 3)
+        if len(values) == 0:
+            values = torch.zeros((0, *self.layout.pixel_shape), dtype=torch.float32)
+        return Pixels(values, grid)

@@ -137,12 +137,14 @@ def _add_controller_roles(roles: Roles, config: Config, layout: Layout, eval_fil
 
 def eval_rows(config: Config, layout: Layout, eval_files: list[str]) -> EvalRows:
     """This group's share of the eval files (`EvalRows`), read in the controller's process; a vision policy's
-    images are decoded and processed there too, batch by batch, with the model's CLIP image processor."""
+    images are decoded and processed there too, batch by batch, with the model's image processor."""
     from yatt_ray.data.eval_rows import EvalRows
-    from yatt_ray.data.images import ClipPixels
+    from yatt_ray.data.images import pixels_processor
     from yatt_ray.train.hf_convert import is_vision_model
 
-    pixels = ClipPixels(config.model.path) if is_vision_model(config.model.path) else None
+    pixels = None
+    if is_vision_model(config.model.path):
+        pixels = pixels_processor(config.model.path, config.data.min_pixels, config.data.max_pixels)
     return EvalRows(config.data, eval_files, layout.dp_rank, layout.dp_size, pixels)
 
 

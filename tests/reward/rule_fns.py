@@ -34,3 +34,9 @@ def fails_on_the_twentieth_call(response: str, ground_truth: str, data_source: s
             f.write("raised\n")
         raise ZeroDivisionError("the user's reward divided by zero")
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
+
+
+def response_length(response: str, ground_truth: str, data_source: str) -> float:
+    """len(response) / 10: differs between a prompt's samples, so GRPO has an advantage to train on even
+    with a random policy (tests that check that weights move, not that a task is learnt)."""
+    return len(response) / 10

@@ -221,3 +221,25 @@ def test_the_gsm8k_recipe_reads_verl_files_as_they_are():
     assert (cfg.data.answer_key, cfg.data.id_key, cfg.reward.function) == (
         "reward_model.ground_truth", "extra_info.index", "math")  # fmt: skip
     assert (cfg.train.dtype, cfg.train.distributed_optimizer) == ("bf16", True)
+
+
+def test_the_geo3k_recipe_reads_verl_files_as_they_are():
+    cfg = load_config("examples/configs/grpo_qwen_vl_geo3k.yaml")
+    assert (cfg.data.answer_key, cfg.data.id_key, cfg.data.image_key, cfg.reward.function) == (
+        "reward_model.ground_truth", "extra_info.index", "images", "math")  # fmt: skip
+    assert (
+        cfg.data.max_pixels // 784 + 64 <= cfg.data.max_prompt_tokens
+    )  # an image's tokens fit beside the text
+    assert (
+        cfg.train.dp_size * cfg.train.tp_size == 8 and cfg.algo.name == "grpo" and cfg.critic.enable is False
+    )
+
+
+def test_image_limits_are_checked():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.min_pixels=1000000", "data.max_pixels=3136", "data.max_images=0"])
+    message = str(err.value)
+    assert "data.min_pixels=1000000 is above data.max_pixels=3136" in message
+    assert "data.max_images=0 must be >= 1" in message
+    with pytest.raises(ConfigError, match="data.max_pixels=100 must be >= 784"):
+        load_config(None, ["data.max_pixels=100"])

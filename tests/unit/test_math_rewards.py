@@ -145,6 +145,7 @@ def test_call_with_timeout_returns_and_raises():
         ("math500", math_verify),
         ("math_dapo", math_verify),
         ("aime_2024", math_verify),
+        ("hiyouga/geometry3k", math_verify),
         ("default", exact_match),
         ("arithmetic", exact_match),
     ],
@@ -157,4 +158,5 @@ def test_math_scores_by_source():
     assert math_reward("#### 1,234", "1234", "openai/gsm8k") == 1.0
     assert math_reward("\\boxed{\\frac{1}{2}}", "0.5", "lighteval/MATH") == 1.0
     assert math_reward("#### 1,234", "1234", "lighteval/MATH") == 0.0  # MATH wants a boxed answer
+    assert math_reward("so x = \\boxed{2\\sqrt{3}}", "2\\sqrt{3}", "hiyouga/geometry3k") == 1.0
     assert math_reward(" 42 ", "42", "my_task") == 1.0 and math_reward("#### 42", "42", "my_task") == 0.0

@@ -66,12 +66,14 @@ def test_a_critic_with_a_vision_model_is_refused_before_cluster_work(vlm, files,
 
 def test_prompt_encoder_expands_images_and_refuses_to_cut_one(vlm):
     layout = ImageLayout.from_model_dir(vlm)
-    assert layout == ImageLayout(IMAGE_TOKEN_ID, 16, (3, 32, 32))
+    assert layout == ImageLayout(IMAGE_TOKEN_ID, (3, 32, 32), tokens_per_image=16)
     tokenizer = build_vlm_tokenizer()
     row = {"id": 7, "prompt": "<image>Sum:", PIXELS: np.zeros((1, 3, 32, 32), dtype=np.float32)}
     encoded = PromptEncoder(tokenizer, 32, layout).encode(row)
     assert encoded.ids.count(IMAGE_TOKEN_ID) == 16 and len(encoded.ids) == 1 + 16 + 4
-    assert encoded.pixels is not None and encoded.pixels.shape == (1, 3, 32, 32) and not encoded.clipped
+    assert (
+        encoded.pixels is not None and encoded.pixels.values.shape == (1, 3, 32, 32) and not encoded.clipped
+    )
     assert encoded.ids == PromptEncoder(tokenizer, 32, layout).encode({**row, "prompt": [
         {"role": "user", "content": "<image>Sum:"}]}).ids  # fmt: skip  # a chat list (no template: its text)
     with pytest.raises(DataError, match="prompt id 7.*raise data.max_prompt_tokens to at least 21"):
@@ -82,28 +84,13 @@ def test_prompt_encoder_expands_images_and_refuses_to_cut_one(vlm):
 
 def test_a_row_without_images_gets_no_image_of_the_models_shape(vlm):
     """The data task gives a good row without images pixels [0, 3, 0, 0] (it cannot know the model's size);
-    the encoder makes them [0, 3, 32, 32], so the engine, `stack_images` and the exchange read I = 0."""
+    the encoder makes them [0, 3, 32, 32], so the engine, `PromptImages` and the exchange read I = 0."""
     layout = ImageLayout.from_model_dir(vlm)
     row = {"id": 8, "prompt": "3+4 Sum:", PIXELS: np.zeros((0, 3, 0, 0), dtype=np.float32)}
     encoded = PromptEncoder(build_vlm_tokenizer(), 32, layout).encode(row)
-    assert encoded.pixels is not None and encoded.pixels.shape == (0, 3, 32, 32)
+    assert encoded.pixels is not None and encoded.pixels.values.shape == (0, 3, 32, 32)
     assert IMAGE_TOKEN_ID not in encoded.ids and len(encoded.ids) == 1 + len("3+4 Sum:")
 
 
 def test_a_text_model_has_no_image_layout(tmp_path):
     assert ImageLayout.from_model_dir(build_tiny_model(tmp_path / "llama")) is None
-
-
-def test_a_qwen_vl_model_is_refused_before_cluster_work_for_now(files, tmp_path):
-    """Its trainer-side pieces exist (tests/vision/test_qwen_vl.py); fit() says so instead of failing later."""
-    from yatt_ray.models.tiny_qwen_vl import build_tiny_qwen_vl
-
-    path = build_tiny_qwen_vl(tmp_path / "qwen_vl")
-    config = yatt_ray.load_config(
-        "examples/configs/grpo_vision.yaml",
-        [f"model.path={path}", f"data.train_files=[{files[0]}]", "data.eval_files=[]",
-         f"output.dir={tmp_path / 'out'}", "train.prompts_per_step=2"],
-    )  # fmt: skip
-    with pytest.raises(ConfigError, match="Qwen2-VL / Qwen2.5-VL model.*fit\\(\\) does not train it yet"):
-        yatt_ray.fit(config)
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

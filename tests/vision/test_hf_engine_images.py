@@ -1,18 +1,28 @@
-"""The Hugging Face rollout engine on a LLaVA model: images reach generation, greedy output equals
-transformers' own `generate`, log-probs are the raw teacher-forced ones, and weight sync covers the vision
-weights (checkpoint names) and the language model (checkpoint or Llama names)."""
+"""The Hugging Face rollout engine on vision-language models (LLaVA; Qwen2-VL / Qwen2.5-VL): images reach
+generation, greedy output equals transformers' own `generate`, log-probs are the raw teacher-forced ones, and
+weight sync covers the vision weights (checkpoint names) and the language model (checkpoint or Llama names)."""
 
 import math
 
 import pytest
 import torch
 
+from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, DataError
 from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
+from yatt_ray.models.tiny_qwen_vl import IMAGE_TOKEN_ID as QWEN_IMAGE_ID
+from yatt_ray.models.tiny_qwen_vl import (
+    VISION_END_ID,
+    VISION_START_ID,
+    TinyQwenVLSpec,
+    build_image_processor,
+    build_tiny_qwen_vl,
+)
 from yatt_ray.models.tiny_vlm import IMAGE_TOKEN_ID
 from yatt_ray.rollout import SamplingSpec
 from yatt_ray.rollout.hf_engine import HFEngine
 from yatt_ray.train.model import read_hf_state_dict
+from yatt_ray.train.qwen_vl import join_qwen_vl_state_dict, qwen_vl_layout, split_qwen_vl_state_dict
 from yatt_ray.train.vision import expand_image_tokens, split_llava_state_dict
 
 P = 16
@@ -29,7 +39,7 @@ PROMPTS = [expand_image_tokens(p, IMAGE_TOKEN_ID, P) for p in RAW]
 
 
 def _images(pixels, seed):
-    return [pixels(1, seed), pixels(2, seed + 1), None, pixels(1, seed + 2)]
+    return [Pixels(pixels(1, seed)), Pixels(pixels(2, seed + 1)), None, Pixels(pixels(1, seed + 2))]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +56,7 @@ def _hf_greedy(model, prompt, pixel_values, max_new_tokens):
     config = GenerationConfig(
         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, pad_token_id=0
     )
-    extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+    extra = {} if pixel_values is None else {"pixel_values": pixel_values.values}
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config, **extra)
     tokens = out[0, len(prompt) :].tolist()
@@ -55,7 +65,7 @@ def _hf_greedy(model, prompt, pixel_values, max_new_tokens):
 
 def _hf_logprobs(model, prompt, tokens, pixel_values):
     """log_softmax of the model's logits at each generated token, teacher-forced, with the images."""
-    extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+    extra = {} if pixel_values is None else {"pixel_values": pixel_values.values}
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + tokens]), **extra).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
@@ -147,15 +157,21 @@ def test_weight_sync_covers_projector_tower_and_language_model(engine, vlm_dir, 
 
 
 def test_image_errors(engine, tmp_path, pixels):
-    one = pixels(1, 0)
+    one = Pixels(pixels(1, 0))
     with pytest.raises(DataError, match=r"prompt 0: the prompt holds 16 image tokens .* 0 image"):
         engine.generate(PROMPTS[:1], GREEDY)
     with pytest.raises(DataError, match=r"prompt 0: .* 2 image\(s\)"):
-        engine.generate(PROMPTS[:1], GREEDY, images=[pixels(2, 0)])
+        engine.generate(PROMPTS[:1], GREEDY, images=[Pixels(pixels(2, 0))])
     with pytest.raises(ConfigError, match="one entry .* per prompt: 2 prompts, images 1"):
         engine.generate(PROMPTS[:2], GREEDY, images=[one])
     with pytest.raises(ConfigError, match=r"images\[0\] has shape \(1, 3, 48, 48\).*\[I, 3, 32, 32\]"):
-        engine.generate(PROMPTS[:1], GREEDY, images=[pixels(1, 0, size=48)])
+        engine.generate(PROMPTS[:1], GREEDY, images=[Pixels(pixels(1, 0, size=48))])
+    with pytest.raises(
+        ConfigError, match=r"images\[0\] is a Tensor; .*Pixels.*wrap bare pixel_values as Pixels\(values\)"
+    ):
+        engine.generate(PROMPTS[:1], GREEDY, images=[pixels(1, 0)])
+    with pytest.raises(ConfigError, match=r"images\[0\] has an image grid \(1, 3\).*LLaVA"):
+        engine.generate(PROMPTS[:1], GREEDY, images=[Pixels(pixels(1, 0), torch.tensor([[1, 4, 4]]))])
     # a text-only model
     text_dir = build_tiny_model(
         tmp_path, TinyModelSpec(hidden_size=64, intermediate_size=192, num_heads=2, num_kv_heads=1)
@@ -220,5 +236,232 @@ def test_prompts_without_images_as_the_encoder_gives_them(engine, vlm_dir, pixel
     for batch in ([image, *text], text):  # mixed, and a batch without any image
         ids = [e.ids for e in batch]
         got = engine.generate(ids, GREEDY, images=[e.pixels for e in batch])
-        want = engine.generate(ids, GREEDY, images=[e.pixels if len(e.pixels) else None for e in batch])
+        want = engine.generate(ids, GREEDY, images=[e.pixels if e.pixels.count else None for e in batch])
         assert [(c.token_ids, c.logprobs) for (c,) in got] == [(c.token_ids, c.logprobs) for (c,) in want]
+
+
+# ---------------------------------------------------------------------------------------------- Qwen VL
+# Each image is <|vision_start|>, t*h*w / 4 <|image_pad|>, <|vision_end|> in the prompt (as the data side expands
+# it), with Pixels(pixel_values [patches, 1176], image_grid_thw [I, 3]) from Qwen's image processor.
+QWEN_GREEDY = SamplingSpec(n=1, max_new_tokens=6, temperature=0.0)
+QWEN_RAW = [  # None: an image; prompt 2 is text-only (None), prompt 3 text with Pixels of 0 images
+    [1, 20, None, 30, 31],
+    [1, None, 40, None, 41, 42, 43],
+    [1, 50, 51, 52],
+    [1, 60, 61, 62, 63, 64],
+]
+QWEN_SIZES = [[(112, 56)], [(56, 56), (84, 112)], [], []]  # (width, height): grids 1x4x8, 1x4x4 and 1x8x6
+QWEN_VARIANTS = [("qwen2_5_vl", True), ("qwen2_vl", False)]  # (variant, tied embeddings)
+
+
+def qwen_pixels(sizes, seed):
+    """`Pixels` of PIL images of the given (width, height), a smooth pattern plus noise, through the tiny Qwen
+    VL's image processor (as tests/vision/test_qwen_vl.py makes them); no sizes: 0 images."""
+    from PIL import Image
+
+    if not sizes:
+        return Pixels(torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.long))
+    g = torch.Generator().manual_seed(seed)
+    pics = []
+    for w, h in sizes:
+        ramp = torch.linspace(0, 255, w)[None, :, None] * torch.rand(1, 1, 3, generator=g)
+        noise = 60 * torch.rand(h, w, 3, generator=g)
+        pics.append(Image.fromarray((ramp + noise).clamp(0, 255).to(torch.uint8).numpy()))
+    out = build_image_processor()(images=pics, return_tensors="pt")
+    return Pixels(out["pixel_values"], out["image_grid_thw"])
+
+
+def qwen_prompt(text_ids, grid, merge=2):
+    """Prompt ids: each None in `text_ids` becomes <|vision_start|> + the image's pad tokens + <|vision_end|>."""
+    out, k = [], 0
+    for t in text_ids:
+        if t is None:
+            out += [VISION_START_ID] + [QWEN_IMAGE_ID] * (int(grid[k].prod()) // merge**2) + [VISION_END_ID]
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
+def _qwen_images(seed):
+    """Per QWEN_RAW prompt: its Pixels (None for prompt 2)."""
+    images = [qwen_pixels(sizes, seed + k) for k, sizes in enumerate(QWEN_SIZES)]
+    images[2] = None
+    return images
+
+
+QWEN_PROMPTS = [
+    qwen_prompt(raw, None if pix is None else pix.grid) for raw, pix in zip(QWEN_RAW, _qwen_images(0))
+]
+
+
+@pytest.fixture(scope="module", params=QWEN_VARIANTS, ids=[v for v, _ in QWEN_VARIANTS])
+def qwen(request, tmp_path_factory):
+    """(model dir, transformers model, engine) of one tiny Qwen VL variant (seed 0), fp32."""
+    from transformers import AutoModelForImageTextToText
+
+    variant, tied = request.param
+    path = build_tiny_qwen_vl(
+        tmp_path_factory.mktemp(variant), TinyQwenVLSpec(variant=variant, tie_word_embeddings=tied)
+    )
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    engine = HFEngine(path, seed=0)
+    yield path, hf, engine
+    engine.close()
+
+
+def _qwen_inputs(ids, pixels):
+    """transformers' image inputs for `ids` [1, L] (none without images)."""
+    if pixels is None or not pixels.count:
+        return {}
+    return {
+        "pixel_values": pixels.values,
+        "image_grid_thw": pixels.grid,
+        "mm_token_type_ids": (ids == QWEN_IMAGE_ID).int(),
+    }
+
+
+def _qwen_hf_greedy(model, prompt, pixels, max_new_tokens):
+    """transformers' own greedy `generate` on one unpadded prompt, the image token suppressed as the engine does
+    (the tiny model's argmax is often it), cut after the first EOS."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        suppress_tokens=[QWEN_IMAGE_ID],
+    )
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, generation_config=config, **_qwen_inputs(ids, pixels))
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
+def _qwen_hf_logprobs(model, prompt, tokens, pixels):
+    """log_softmax of transformers' forward over prompt + tokens (with the images) at each of `tokens`."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids, **_qwen_inputs(ids, pixels)).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _qwen_run(engine, images, spec=QWEN_GREEDY):
+    outs = engine.generate(QWEN_PROMPTS, spec, images=images)
+    return [[(c.token_ids, c.logprobs) for c in group] for group in outs]
+
+
+def _qwen_check_greedy(engine, model, images):
+    """The engine's greedy tokens over the whole (left-padded) batch == transformers' per prompt alone."""
+    outs = _qwen_run(engine, images)
+    for prompt, pix, ((tokens, _),) in zip(QWEN_PROMPTS, images, outs):
+        assert tokens == _qwen_hf_greedy(model, prompt, pix, QWEN_GREEDY.max_new_tokens)
+    return outs
+
+
+def test_qwen_greedy_with_images_matches_hf_generate(qwen):
+    path, hf, engine = qwen
+    assert (engine.image_token_id, engine.merge) == (QWEN_IMAGE_ID, 2)
+    assert len({len(p) for p in QWEN_PROMPTS}) == 4  # every row of the batch is padded differently
+    images = _qwen_images(0)
+    outs = _qwen_check_greedy(engine, hf, images)
+    assert sum(len(tokens) for ((tokens, _),) in outs) > 4  # not just EOS everywhere
+    # other pixels change every image prompt's log-probs and leave the text prompts' alone
+    other = _qwen_run(engine, _qwen_images(100))
+    for i in (0, 1):
+        (a, la), (b, lb) = outs[i][0], other[i][0]
+        assert a != b or max(abs(x - y) for x, y in zip(la, lb)) > 1e-3
+    assert [outs[i] for i in (2, 3)] == [other[i] for i in (2, 3)]
+
+
+def test_qwen_logprobs_are_teacher_forced_transformers(qwen):
+    """Sampled rows (n = 2, batches of 3 rows cutting across prompts): each row's log-probs == log_softmax of
+    transformers' forward over prompt + completion with its prompt's pixels."""
+    path, hf, _ = qwen
+    small = HFEngine(path, seed=0, max_batch_size=3)
+    images = _qwen_images(0)
+    try:
+        outs = small.generate(QWEN_PROMPTS, SamplingSpec(n=2, max_new_tokens=6, seed=3), images=images)
+    finally:
+        small.close()
+    for prompt, pix, group in zip(QWEN_PROMPTS, images, outs):
+        assert len(group) == 2
+        for c in group:
+            want = _qwen_hf_logprobs(hf, prompt, c.token_ids, pix)
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_qwen_weight_sync_with_checkpoint_names(qwen, tmp_path):
+    """Buckets named as on disk (`model.*` Qwen2 names, `visual.*`) land where a direct load_state_dict of the
+    in-memory names puts them: the vision tower alone, then all of another model's weights."""
+    from transformers import AutoModelForImageTextToText
+
+    path, hf, engine = qwen
+    spec = TinyQwenVLSpec(
+        variant=hf.config.model_type, tie_word_embeddings=hf.config.tie_word_embeddings, seed=7
+    )
+    other = build_tiny_qwen_vl(tmp_path / "seed7", spec)
+    old, new = read_hf_state_dict(path), read_hf_state_dict(other)
+    assert qwen_vl_layout(new) == "checkpoint" and any(k.startswith("visual.") for k in new)
+    images = _qwen_images(0)
+    before = _qwen_run(engine, images)
+    try:
+        lm, vision = split_qwen_vl_state_dict(new)
+        engine.load_weights(vision.items())
+        engine.finish_weight_sync()
+        mixed = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        result = mixed.load_state_dict(join_qwen_vl_state_dict({}, vision, layout="module"), strict=False)
+        assert not result.unexpected_keys
+        tower = _qwen_check_greedy(engine, mixed, images)
+        assert tower[:2] != before[:2] and tower[2:] == before[2:]  # only the image prompts see the tower
+        items = list(new.items())
+        for start in range(0, len(items), 7):  # every weight of seed 7, in small buckets
+            engine.load_weights(items[start : start + 7])
+        engine.finish_weight_sync()
+        _qwen_check_greedy(engine, AutoModelForImageTextToText.from_pretrained(other).eval(), images)
+        with pytest.raises(ConfigError, match="not parameters of the model"):
+            engine.load_weights([("visual.no_such.weight", torch.zeros(1))])
+    finally:
+        engine.load_weights(old.items())
+        engine.finish_weight_sync()
+    assert _qwen_run(engine, images) == before
+
+
+def test_qwen_image_errors(qwen):
+    engine = qwen[2]
+    pix = qwen_pixels([(112, 56)], 0)  # grid 1x4x8: 32 patch rows, 8 tokens
+    good = qwen_prompt([1, 20, None, 30], pix.grid)
+    short = [t for i, t in enumerate(good) if i != 3]  # one image token fewer
+    with pytest.raises(
+        DataError, match=r"prompt 1: .* runs \(id 101\) of \[7\] tokens .* need runs of \[8\]"
+    ):
+        engine.generate([good, short], QWEN_GREEDY, images=[pix, pix])
+    with pytest.raises(DataError, match=r"prompt 0: .* runs \(id 101\) of \[8\] .* its 0 image\(s\)"):
+        engine.generate([good], QWEN_GREEDY)
+    two = qwen_pixels([(112, 56), (56, 56)], 0)
+    with pytest.raises(
+        DataError, match=r"prompt 0: .* of \[8\] .* its 2 image\(s\) .* need runs of \[8, 4\]"
+    ):
+        engine.generate([good], QWEN_GREEDY, images=[two])
+    with pytest.raises(DataError, match=r"images\[0\] has 28 pixel rows but .* makes 32 patches"):
+        engine.generate([good], QWEN_GREEDY, images=[Pixels(pix.values[:28], pix.grid)])
+    with pytest.raises(ConfigError, match=r"images\[0\] has grid None; a Qwen VL model needs image_grid_thw"):
+        engine.generate([good], QWEN_GREEDY, images=[Pixels(pix.values)])
+    with pytest.raises(ConfigError, match=r"images\[0\] has shape \(32, 588\).*\[patches, 1176\]"):
+        engine.generate([good], QWEN_GREEDY, images=[Pixels(pix.values[:, :588], pix.grid)])
+    with pytest.raises(ConfigError, match=r"images\[0\] is a Tensor; .*grid=image_grid_thw"):
+        engine.generate([good], QWEN_GREEDY, images=[pix.values])
+
+
+def test_qwen_image_token_is_never_sampled(qwen):
+    """At a temperature that makes the 128 ids nearly uniform, 1024 sampled tokens (~8 image tokens
+    expected unsuppressed) hold none."""
+    engine = qwen[2]
+    spec = SamplingSpec(n=64, max_new_tokens=16, temperature=50.0, seed=3, ignore_eos=True)
+    out = engine.generate(QWEN_PROMPTS[:1], spec, images=_qwen_images(0)[:1])
+    tokens = [t for c in out[0] for t in c.token_ids]
+    assert len(tokens) == 1024 and len(set(tokens)) > 64
+    assert QWEN_IMAGE_ID not in tokens

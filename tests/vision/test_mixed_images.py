@@ -1,5 +1,6 @@
-"""Rows without images beside rows with them: `stack_images`, `concat` and a 2-rank gloo balance exchange
-where one rank's whole batch has no image. A prompt without images has pixels [0, C, H, W] (`PromptEncoder`)."""
+"""Images held once per prompt (`batch.PromptImages`): rows without images beside rows with them, row
+selection and `concat` renumbering `image_prompt`, and a 2-rank gloo balance exchange where one rank's whole
+batch has no image. A prompt without images has pixels [0, C, H, W] (`PromptEncoder`)."""
 
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from yatt_ray.batch import concat, pack, stack_images
+from yatt_ray.batch import Pixels, PromptImages, concat, pack, prompt_images
 from yatt_ray.train.balance import exchange
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # the gloo harness of tests/train
@@ -26,28 +27,52 @@ def _pixels(count: int, tag: int) -> torch.Tensor:
     )
 
 
-def test_stack_images_with_prompts_without_images():
-    values, count = stack_images([_pixels(0, 1), _pixels(2, 2), _pixels(1, 3)], N)
-    assert values.shape == (3 * N, 2, *SHAPE) and count.tolist() == [0, 0, 2, 2, 1, 1]
-    assert (values[:2] == 0).all() and torch.equal(values[2], _pixels(2, 2))
-    assert torch.equal(values[4, :1], _pixels(1, 3)) and (values[4, 1:] == 0).all()
-    none, zero = stack_images([_pixels(0, 1), _pixels(0, 2)], N)  # a batch without any image
-    assert none.shape == (2 * N, 0, *SHAPE) and zero.tolist() == [0] * (2 * N)
-    with pytest.raises(ValueError, match=r"differ in shape .*\[0, C, H, W\]"):
-        stack_images(
-            [torch.zeros(0, 3, 0, 0), _pixels(1, 2)], N
-        )  # the data task's empty form, not the model's
+def _images(batch, row: int) -> torch.Tensor:
+    """Row `row`'s images, from its prompt's entry in the batch's PromptImages."""
+    return batch.images.prompt(int(batch.image_prompt[row])).values
 
 
-def test_concat_joins_a_batch_without_images_to_one_with():
+def test_prompt_images_hold_each_prompt_once():
+    images, index = prompt_images([Pixels(_pixels(0, 1)), Pixels(_pixels(2, 2)), Pixels(_pixels(1, 3))], N)
+    assert index.tolist() == [0, 0, 1, 1, 2, 2]
+    assert images.values.shape == (3, *SHAPE)  # 3 images once, not N times
+    assert images.rows.tolist() == [0, 2, 1] and images.counts.tolist() == [0, 2, 1]
+    assert torch.equal(images.prompt(1).values, _pixels(2, 2)) and images.prompt(0).count == 0
+    picked = images.select([2, 1])
+    assert torch.equal(picked.prompt(0).values, _pixels(1, 3)) and torch.equal(
+        picked.prompt(1).values, _pixels(2, 2)
+    )
+    with pytest.raises(ValueError, match=r"differ in shape .*\[0, \*S\]"):
+        PromptImages.of(
+            [Pixels(torch.zeros(0, 3, 0, 0)), Pixels(_pixels(1, 2))]
+        )  # the data task's empty form
+
+
+def test_qwen_style_images_keep_their_grids():
+    """Patch rows with grids: selecting prompts keeps each prompt's rows and grid rows together."""
+    a = Pixels(torch.arange(8.0).reshape(4, 2), torch.tensor([[1, 2, 2]]))
+    b = Pixels(torch.arange(24.0).reshape(12, 2) + 100, torch.tensor([[1, 2, 4], [1, 2, 2]]))
+    images = PromptImages.of([a, b, Pixels(torch.zeros(0, 2), torch.zeros(0, 3, dtype=torch.long))])
+    assert images.grid is not None and images.grid.shape == (3, 3)
+    back = images.select([1, 0]).prompt(0)
+    assert torch.equal(back.values, b.values) and torch.equal(back.grid, b.grid)
+    assert images.prompt(2).count == 0 and len(images.prompt(2).values) == 0
+
+
+def test_rows_and_concat_renumber_prompts():
     text = pack([[1, 2]] * N, [[3]] * N, [[0.0]] * N, pad_id=0, group_size=N)
-    text.pixel_values, text.image_count = stack_images([_pixels(0, 1)], N)
-    image = pack([[1, 5, 6]] * N, [[3, 4]] * N, [[0.0, 0.0]] * N, pad_id=0, group_size=N)
-    image.pixel_values, image.image_count = stack_images([_pixels(2, 2)], N)
+    text.images, text.image_prompt = prompt_images([Pixels(_pixels(0, 1))], N)
+    image = pack([[1, 5, 6]] * 2 * N, [[3, 4]] * 2 * N, [[0.0, 0.0]] * 2 * N, pad_id=0, group_size=N)
+    image.images, image.image_prompt = prompt_images([Pixels(_pixels(2, 2)), Pixels(_pixels(1, 3))], N)
     both = concat([text, image])
-    assert both.pixel_values is not None and both.pixel_values.shape == (2 * N, 2, *SHAPE)
-    assert both.image_count is not None and both.image_count.tolist() == [0, 0, 2, 2]
-    assert (both.pixel_values[:N] == 0).all() and torch.equal(both.pixel_values[N], _pixels(2, 2))
+    assert both.image_prompt.tolist() == [0, 0, 1, 1, 2, 2] and len(both.images) == 3
+    assert both.images.values.shape == (3, *SHAPE)
+    assert torch.equal(_images(both, 2), _pixels(2, 2)) and torch.equal(_images(both, 5), _pixels(1, 3))
+    some = both.rows(torch.tensor([4, 5, 0]))  # prompt 2's rows and one of prompt 0's
+    assert len(some.images) == 2 and some.image_prompt.tolist() == [1, 1, 0]
+    assert torch.equal(_images(some, 0), _pixels(1, 3)) and _images(some, 2).shape == (0, *SHAPE)
+    with pytest.raises(ValueError, match="different row fields"):
+        concat([pack([[1]] * N, [[3]] * N, [[0.0]] * N, pad_id=0, group_size=N), image])
 
 
 # ---- two ranks over gloo: rank 1 holds no image -------------------------------------------------------------
@@ -61,8 +86,8 @@ def _rank_batch(rank: int):
     prompts = [[100 + 10 * rank + k, 11, 12] for k in range(len(counts)) for _ in range(N)]
     responses = [[60 + j] + [20] * (LONG[rank] - 1) for _ in counts for j in range(N)]
     b = pack(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0, group_size=N)
-    b.pixel_values, b.image_count = stack_images(
-        [_pixels(c, 100 + 10 * rank + k) for k, c in enumerate(counts)], N
+    b.images, b.image_prompt = prompt_images(
+        [Pixels(_pixels(c, 100 + 10 * rank + k)) for k, c in enumerate(counts)], N
     )
     b.rewards = torch.arange(b.size, dtype=torch.float32) + 10 * rank
     return b
@@ -73,8 +98,8 @@ def _exchange_rank(rank, world_size):
     first = out.attention_mask.float().argmax(1)
     return {
         "ids": [int(out.input_ids[i, first[i]]) for i in range(out.size)],
-        "pixel_values": out.pixel_values,
-        "image_count": out.image_count,
+        "images": [_images(out, i) for i in range(out.size)],
+        "prompts": len(out.images),
         "stats": stats,
         "rewards": restore.restore(out.rewards.clone()),
     }
@@ -89,10 +114,9 @@ def test_exchange_moves_rows_with_and_without_images():
         for i, gid in enumerate(res["ids"]):
             seen.append(gid)
             c = counts[gid]
-            assert int(res["image_count"][i]) == c  # a row's images travel with it
-            assert torch.equal(res["pixel_values"][i, :c], _pixels(c, gid))
-            assert (res["pixel_values"][i, c:] == 0).all()
+            assert torch.equal(res["images"][i], _pixels(c, gid))  # a row's images travel with it
     assert sorted(set(seen)) == sorted(counts)  # every prompt somewhere
+    assert all(res["prompts"] == len(set(res["ids"])) for res in results)  # each prompt's images once
     assert any(counts[g] for g in results[1]["ids"])  # rank 1, with no image before, now holds one
     for rank, res in enumerate(results):
         assert torch.equal(res["rewards"], _rank_batch(rank).rewards)

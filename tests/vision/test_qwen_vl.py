@@ -261,3 +261,49 @@ def test_train_vision_modes(qwen):
 def test_spec_checks_the_sections(tmp_path):
     with pytest.raises(ValueError, match="must sum to head_dim / 2 = 16"):
         build_tiny_qwen_vl(tmp_path, TinyQwenVLSpec(mrope_section=(4, 4, 4), text=TinyModelSpec()))
+
+
+def test_policy_log_probs_and_a_step_with_images_once_per_prompt(qwen):
+    """`MegatronPolicy` on a Qwen VL directory: rows of two prompts with images (different grids) and one text
+    prompt, the images held once per prompt (`PromptImages`), micro-batches of one group: every row's
+    log-probs equal transformers' on the row alone; a step with train_vision=projector moves the merger only."""
+    from yatt_ray.batch import Pixels, prompt_images
+    from yatt_ray.train import MegatronPolicy
+
+    path, hf = qwen[0], qwen[1]
+    pix_a, grid_a = images([(112, 56)], seed=5)
+    pix_b, grid_b = images([(56, 56), (56, 84)], seed=6)
+    prompts = [with_images([1, None, 20], grid_a), with_images([1, None, 21, None], grid_b), [1, 22, 23]]
+    pixels = [Pixels(pix_a, grid_a), Pixels(pix_b, grid_b), Pixels(torch.zeros(0, 1176), grid_a[:0])]
+    responses = [[41, 42], [43], [44, 45, 46], [47], [48, 49], [50]]
+    rows = [prompts[i // 2] + r for i, r in enumerate(responses)]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    images_, image_prompt = prompt_images(pixels, 2)
+    assert images_.values.shape[0] == len(pix_a) + len(pix_b)  # once per prompt, not per sample
+    inputs = {"images": images_, "image_prompt": image_prompt}
+    policy = MegatronPolicy(path, lr=1e-2, seed=0, train_vision="projector")
+    logp = policy.log_probs(ids, mask, micro_batch_size=2, group_size=2, images=inputs)[0]
+    for i, r in enumerate(rows):
+        p = pixels[i // 2]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_logits(hf, r, p.values if p.count else None, p.grid), -1)
+        want = ref[:-1].gather(-1, torch.tensor(r[1:])[:, None])[:, 0]
+        torch.testing.assert_close(logp[i, width - len(r) :], want, atol=LOGITS_ATOL, rtol=0)
+    merger = {n: t.detach().clone() for n, t in policy.encoder.named_parameters()}
+
+    def loss_fn(lp, entropy, mb):
+        loss = -(lp * mb["attention_mask"][:, 1:]).sum() / 20
+        return loss, {"loss": loss.detach()}
+
+    policy.train_step({"input_ids": ids, "attention_mask": mask, **inputs}, loss_fn, 2, group_size=2)
+    moved = {n for n, t in policy.encoder.named_parameters() if not torch.equal(t.detach(), merger[n])}
+    assert moved and all(n.startswith("visual.merger.") for n in moved)
+    exported = policy.hf_state_dict()
+    assert exported is not None and any(n.startswith("visual.merger.") for n in exported)
+    assert torch.equal(
+        exported["visual.merger.mlp.0.weight"], policy.encoder.visual.merger.mlp[0].weight.detach()
+    )

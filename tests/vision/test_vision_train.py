@@ -4,6 +4,7 @@ vision encoder against transformers, and Megatron GPTModel fed with image featur
 import pytest
 import torch
 
+from yatt_ray.batch import Pixels, PromptImages
 from yatt_ray.errors import ConfigError, DataError
 from yatt_ray.models.tiny_vlm import IMAGE_TOKEN_ID, TinyVLMSpec, build_tiny_vlm
 from yatt_ray.train import (
@@ -315,7 +316,10 @@ def test_a_bf16_vision_policy_tracks_fp32(vlm_dir, pixels, single_process_world)
 
     ids = torch.tensor([[1, 20] + [IMG] * P + [30, 31, 32]] * 2)
     mask = torch.ones_like(ids)
-    images = {"pixel_values": torch.stack([pixels(1, 3), pixels(1, 4)]), "image_count": torch.tensor([1, 1])}
+    images = {
+        "images": PromptImages.of([Pixels(pixels(1, 3)), Pixels(pixels(1, 4))]),
+        "image_prompt": torch.tensor([0, 1]),
+    }
     batch = {"input_ids": ids, "attention_mask": mask, **images}
 
     def loss_fn(logp, entropy, mb):

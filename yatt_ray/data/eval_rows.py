@@ -11,7 +11,7 @@ shares) and the same rows on every run.
 `EvalRows.batches()` yields numpy batches of at most `batch_size` rows with the columns `build_dataset` gives:
 `canonical_columns` of the configured keys (dotted keys into struct columns, ids keyed by file over several
 files, verl's layout), each arrow column turned into numpy as Ray Data turns it (`_numpy`). For a vision policy
-(`pixels`: its image processor, `images.ClipPixels`) each batch's images are decoded and processed just before
+(`pixels`: its image processor, `images.pixels_processor`) each batch's images are decoded and processed just before
 it is handed out (`images.decode_images_batch`, data.on_bad_image as in the Ray Data tasks): one batch's images
 at a time, never the whole set's. Parquet files are read a chunk of row groups at a time; a jsonl file is
 parsed whole (pyarrow's JSON reader, as Ray Data's `read_json` does), its rows converted chunk by chunk.
@@ -93,7 +93,11 @@ class EvalRows:
         if self.pixels is None:
             return batch
         return decode_images_batch(
-            batch, image_column="images", processor_fn=self.pixels, on_bad_image=self.data.on_bad_image
+            batch,
+            image_column="images",
+            processor_fn=self.pixels,
+            on_bad_image=self.data.on_bad_image,
+            max_images=self.data.max_images,
         )
 
     def _shares(self) -> Iterator[Batch]:

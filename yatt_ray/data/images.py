@@ -44,7 +44,9 @@ from yatt_ray.errors import ConfigError, DataError
 
 IMAGE_PLACEHOLDER = "<image>"
 ON_BAD_IMAGE = ("skip", "raise")
-PIXELS = "pixel_values"  # per row: uint8 [I, H, W, 3] (no processor) or the processor's float32 [I, 3, H, W]
+PIXELS = "pixel_values"  # per row: uint8 [I, H, W, 3] (no processor), the processor's float32 [I, 3, H, W]
+# (LLaVA's CLIP) or [patches, C * temporal_patch * patch^2] (Qwen VL's, with GRID)
+GRID = "image_grid_thw"  # per row, with a Qwen VL processor: int64 [I, 3], each image's (t, h, w) patch grid
 SIZES = "image_sizes"  # per row: int64 [I, 2], each image's (height, width) as decoded
 ERROR = "image_error"  # per row: '' when the row's images decoded, else why not (the BadImage message)
 ACCEPTED = (
@@ -52,7 +54,8 @@ ACCEPTED = (
     '{"bytes": ..., "path": ...} (bytes win when non-empty) or a bare path string'
 )
 
-ProcessorFn = Callable[[list[Image.Image]], np.ndarray]  # RGB images -> float [I, 3, H, W]
+# RGB images -> float [I, 3, H, W], or {"pixel_values": [patches, D], "image_grid_thw": [I, 3]} (Qwen VL)
+ProcessorFn = Callable[[list[Image.Image]], Any]
 
 
 class BadImage(DataError):
@@ -250,18 +253,21 @@ def decode_images_batch(
     prompt_column: str | None = "prompt",
     root: str | None = None,
     keep_image_column: bool = False,
+    max_images: int | None = None,
 ) -> dict[str, np.ndarray]:
     """A Ray Data numpy batch function: every row's images decoded to pixels, in the task that runs it.
 
     Adds, for the batch's B rows (object arrays of per-row arrays; I = the row's image count):
       PIXELS  without `processor_fn`: uint8 [I, H, W, 3], H and W the largest of the row's images, each image
               at the top left and zero-padded (equal sizes: no padding); with it: `processor_fn(images)` as
-              float32 [I, 3, H', W'].
+              float32 [I, 3, H', W'], or, for a processor that returns a dict (Qwen VL's `QwenPixels`), its
+              "pixel_values" [patches, D] and, in GRID, its "image_grid_thw" int64 [I, 3].
       SIZES   int64 [I, 2]: each image's (height, width) as decoded (before the processor).
       ERROR   str: '' for a good row; for a bad one the reason, and PIXELS of shape [0, 0, 0, 3] (uint8) or
               [0, 3, 0, 0] (float32) and SIZES [0, 2]. A row without images is good, with I = 0.
-    A row is bad when its cell is malformed (`image_refs`), its prompt's placeholders do not match its images
-    (checked when `prompt_column` is a column of the batch) or an image does not load (`load_image`).
+    A row is bad when its cell is malformed (`image_refs`), holds more than `max_images` images
+    (data.max_images; None = any number), its prompt's placeholders do not match its images (checked when
+    `prompt_column` is a column of the batch) or an image does not load (`load_image`).
     `on_bad_image`: "skip" keeps bad rows with ERROR set (see `bad_image_rows`); "raise" raises BadImage
     naming the row. The image column is dropped unless `keep_image_column` (its bytes need not travel on).
     `processor_fn` errors are not data errors: they propagate. The ids come from `id_column` (the row's index
@@ -276,11 +282,16 @@ def decode_images_batch(
     cells = batch[image_column]
     ids = batch[id_column] if id_column in batch else np.arange(len(cells))
     prompts = batch[prompt_column] if prompt_column is not None and prompt_column in batch else None
-    pixels, sizes, errors = [], [], []
+    pixels, grids, sizes, errors = [], [], [], []
     for i, cell in enumerate(cells):
         row_id = _plain(ids[i])
         try:
             refs = image_refs(cell, row_id)
+            if max_images is not None and len(refs) > max_images:
+                raise DataError(
+                    f"row {row_id!r} has {len(refs)} images, more than data.max_images={max_images}; raise "
+                    "data.max_images or drop the row"
+                )
             if prompts is not None:
                 check_placeholders(prompts[i], len(refs), row_id)
             images = [load_image(ref, row_id, root) for ref in refs]
@@ -290,14 +301,19 @@ def decode_images_batch(
             if on_bad_image == "raise":
                 raise BadImage(str(exc)) from exc
             pixels.append(_empty_pixels(processor_fn is not None))
+            grids.append(np.zeros((0, 3), dtype=np.int64))
             sizes.append(np.zeros((0, 2), dtype=np.int64))
             errors.append(str(exc))
             continue
-        pixels.append(_pixels(images, processor_fn))
+        values, grid = _pixels(images, processor_fn)
+        pixels.append(values)
+        grids.append(grid)
         sizes.append(np.array([(im.height, im.width) for im in images], dtype=np.int64).reshape(-1, 2))
         errors.append("")
     out = {k: v for k, v in batch.items() if keep_image_column or k != image_column}
     out[PIXELS], out[SIZES] = _objects(pixels), _objects(sizes)
+    if getattr(processor_fn, "gives_grid", False):
+        out[GRID] = _objects(grids)
     out[ERROR] = np.asarray(errors, dtype=object)
     return out
 
@@ -313,25 +329,37 @@ def bad_image_rows(batch: Mapping[str, Any], id_column: str = "id") -> list[tupl
     return [(_plain(ids[i]), str(e)) for i, e in enumerate(errors) if e]
 
 
-def _pixels(images: list[Image.Image], processor_fn: ProcessorFn | None) -> np.ndarray:
-    """uint8 [I, H, W, 3] zero-padded to the largest image, or the processor's float32 [I, 3, H', W']."""
+def _pixels(images: list[Image.Image], processor_fn: ProcessorFn | None) -> tuple[np.ndarray, np.ndarray]:
+    """(pixels, grid): uint8 [I, H, W, 3] zero-padded to the largest image, or the processor's float32
+    [I, 3, H', W'] (or its dict's pixel_values [patches, D]); grid [I, 3] int64 from a dict (else [0, 3])."""
+    no_grid = np.zeros((0, 3), dtype=np.int64)
     if processor_fn is not None:
         if not images:
-            return _empty_pixels(True)
-        values = np.asarray(processor_fn(images), dtype=np.float32)
+            return _empty_pixels(True), no_grid
+        out = processor_fn(images)
+        if isinstance(out, Mapping):
+            grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+            values = np.asarray(out["pixel_values"], dtype=np.float32)
+            if len(grid) != len(images) or values.ndim != 2 or len(values) != int(grid.prod(-1).sum()):
+                raise ValueError(
+                    f"processor_fn {processor_fn!r} returned pixel_values {values.shape} and image_grid_thw "
+                    f"{grid.shape} for {len(images)} image(s); it must give [sum t*h*w, D] and [I, 3]"
+                )
+            return values, grid
+        values = np.asarray(out, dtype=np.float32)
         if values.ndim != 4 or values.shape[0] != len(images) or values.shape[1] != 3:
             raise ValueError(
                 f"processor_fn {processor_fn!r} returned an array of shape {values.shape} for {len(images)} "
                 "image(s); it must return [I, 3, H, W] (one CHW array per image)"
             )
-        return values
+        return values, no_grid
     if not images:
-        return _empty_pixels(False)
+        return _empty_pixels(False), no_grid
     height, width = max(im.height for im in images), max(im.width for im in images)
-    out = np.zeros((len(images), height, width, 3), dtype=np.uint8)
+    raw = np.zeros((len(images), height, width, 3), dtype=np.uint8)
     for k, im in enumerate(images):
-        out[k, : im.height, : im.width] = np.asarray(im, dtype=np.uint8)
-    return out
+        raw[k, : im.height, : im.width] = np.asarray(im, dtype=np.uint8)
+    return raw, no_grid
 
 
 def _empty_pixels(processed: bool) -> np.ndarray:
@@ -387,6 +415,69 @@ def _clip_processor(processor_dir: str) -> Any:
             f"no CLIP image processor in {processor_dir!r} ({exc}); give a local folder written by "
             "CLIPImageProcessor.save_pretrained (it holds preprocessor_config.json)"
         ) from exc
+
+
+class QwenPixels:
+    """A picklable `processor_fn` for Qwen2-VL / Qwen2.5-VL policies: the Qwen image processor saved in
+    `processor_dir` (its `preprocessor_config.json`; the PIL backend, no torchvision), applied to a row's RGB
+    images -> {"pixel_values": float32 [patches, C * temporal_patch * patch^2], "image_grid_thw": [I, 3]}.
+
+    Image limits (the processor's own rule, `smart_resize`): each image is resized, keeping its aspect ratio,
+    to sides that are multiples of patch * merge (28 px) with min_pixels <= H * W <= max_pixels, so an image
+    takes between min_pixels / 784 and max_pixels / 784 tokens. `min_pixels` / `max_pixels` (data.min_pixels,
+    data.max_pixels) override the directory's; None keeps them. Loaded once per process, like `ClipPixels`."""
+
+    gives_grid = True
+
+    def __init__(
+        self, processor_dir: str, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> None:
+        self.processor_dir = str(processor_dir)
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+
+    def __call__(self, images: list[Image.Image]) -> dict[str, np.ndarray]:
+        processor = _qwen_processor(self.processor_dir, self.min_pixels, self.max_pixels)
+        out = processor(images=images, return_tensors="np")
+        return {
+            "pixel_values": np.asarray(out["pixel_values"], dtype=np.float32),
+            "image_grid_thw": np.asarray(out["image_grid_thw"], dtype=np.int64),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"QwenPixels({self.processor_dir!r}, min_pixels={self.min_pixels}, max_pixels={self.max_pixels})"
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _qwen_processor(processor_dir: str, min_pixels: int | None, max_pixels: int | None) -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    try:
+        processor = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
+    except OSError as exc:
+        raise ConfigError(
+            f"no Qwen image processor in {processor_dir!r} ({exc}); the model directory needs the "
+            "preprocessor_config.json that Qwen2.5-VL checkpoints ship"
+        ) from exc
+    size = dict(processor.size)
+    if min_pixels is not None:
+        size["shortest_edge"] = min_pixels
+    if max_pixels is not None:
+        size["longest_edge"] = max_pixels
+    processor.size = size
+    return processor
+
+
+def pixels_processor(model_dir: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
+    """The `processor_fn` of a vision-language model directory: `QwenPixels` for Qwen VL, else `ClipPixels`."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
+        return QwenPixels(model_dir, min_pixels, max_pixels)
+    return ClipPixels(model_dir)
 
 
 # ---- driver-side checks --------------------------------------------------------------------------------

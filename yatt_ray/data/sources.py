@@ -409,7 +409,7 @@ def _need_columns(url: str, shape: Mapping, data: DataConfig, where: str = "", i
         raise DataError(
             f"data file {url!r}{where} has an image column {data.image_key!r} (data.image_key) but the policy "
             "(model.path) is a text-only model, which would read the prompts' <image> placeholders as text. "
-            "Point model.path at a LLaVA-architecture model, or set data.image_key='' to train on the text alone."
+            "Point model.path at a vision-language model (LLaVA, Qwen2-VL, Qwen2.5-VL), or set data.image_key='' to train on the text alone."
         )
 
 
@@ -508,8 +508,8 @@ def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
     "<file name>:<id>" ("" for a row without one; see the module docstring), each row's file read from the
     "path" column that the read adds. `pixels` (a vision policy's image processor, e.g.
     `yatt_ray.data.images.ClipPixels(model_dir)`): the image column is read too and, in Ray Data tasks after the
-    shuffle, decoded and processed into the columns `images.PIXELS` (float32 [I, 3, H, W] a row),
-    `images.SIZES` and `images.ERROR` (see `images.decode_images_batch`; bad rows are kept, flagged, under
+    shuffle, decoded and processed into the columns `images.PIXELS` (float32 [I, 3, H, W] a row; Qwen VL:
+    [patches, D] with `images.GRID`), `images.SIZES` and `images.ERROR` (see `images.decode_images_batch`; bad rows are kept, flagged, under
     data.on_bad_image=skip).
     """
     import ray.data
@@ -523,7 +523,12 @@ def build_dataset(data: DataConfig, files: list[str], pixels: Any = None):
     if data.shuffle_seed is not None:
         ds = ds.random_shuffle(seed=data.shuffle_seed)
     if pixels is not None:
-        options = {"image_column": "images", "processor_fn": pixels, "on_bad_image": data.on_bad_image}
+        options = {
+            "image_column": "images",
+            "processor_fn": pixels,
+            "on_bad_image": data.on_bad_image,
+            "max_images": data.max_images,
+        }
         ds = ds.map_batches(decode_images_batch, batch_format="numpy", fn_kwargs=options)
     return ds
 

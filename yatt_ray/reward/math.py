@@ -19,7 +19,8 @@ a right answer and 0.0 for a wrong or missing one (never raising on a response, 
   math         by `data_source` (case-insensitive; the first entry of MATH_SOURCES whose word occurs in it):
                "gsm8k" (openai/gsm8k) -> gsm8k; "math" (lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
                HuggingFaceH4/MATH-500, math500, math_dapo, ...), "aime", "amc", "olympiad", "minerva",
-               "numina", "deepscaler", "omni" -> math_verify; any other source -> exact_match.
+               "numina", "deepscaler", "omni", "geometry3k" / "geo3k" (hiyouga/geometry3k, verl's geo3k) -> math_verify;
+               any other source -> exact_match.
 
 Timeouts and threads. math-verify bounds its own work with `signal.alarm`, which works only on the main
 thread (elsewhere it raises ValueError), and a reward may run off it (a Ray Train worker runs the training
@@ -189,6 +190,8 @@ MATH_SOURCES: tuple[tuple[str, RewardFn], ...] = (
     ("numina", math_verify),
     ("deepscaler", math_verify),
     ("omni", math_verify),
+    ("geometry3k", math_verify),  # hiyouga/geometry3k (verl's geo3k): boxed answers
+    ("geo3k", math_verify),
 )
 
 

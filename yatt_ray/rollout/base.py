@@ -27,10 +27,13 @@ from typing import Literal, Protocol, overload, runtime_checkable
 
 import torch
 
+from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError
 
 FinishReason = Literal["stop", "length"]
-Images = list[torch.Tensor | None]  # per prompt: pixel_values [I_k, C, H, W], or None for a text-only prompt
+# per prompt: its images' `Pixels` (LLaVA: values [I, C, H, W]; Qwen VL: values [patches, 1176] and grid [I, 3]),
+# or None for a text-only prompt
+Images = list[Pixels | None]
 
 
 @dataclass(frozen=True)
@@ -188,8 +191,10 @@ class RolloutEngine(Protocol):
         Prompts are token ids with BOS already included; none may be empty, and
         `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length.
 
-        `images` (vision-language models): per prompt its pixel_values [I, 3, H, W] (the model's image
-        processor's output) or None; each image's tokens are already expanded in the prompt.
+        `images` (vision-language models): per prompt its images' `batch.Pixels` (the model's image processor's
+        output: LLaVA pixel_values [I, 3, H, W]; Qwen2-VL / 2.5-VL pixel_values [patches, C*tp*p*p] with
+        image_grid_thw [I, 3]; I = 0 for a prompt without images) or None; each image's tokens are already
+        expanded in the prompt.
         """
         ...
 

@@ -12,11 +12,20 @@ tested against. Semantics follow `yatt_ray.rollout.base`:
   (before temperature and warpers), gathered at the sampled tokens;
 - weight sync: every bucket is copied straight into the model's parameters (no fusion, so no holding back);
 - sleep / wake: on a GPU the model moves to host memory and back; on the CPU both are no-ops;
-- images (a LLaVA model, `LlavaForConditionalGeneration`): `generate(..., images=[pixel_values or None per
-  prompt])`; the prompts hold the expanded image tokens (`train.vision.expand_image_tokens`), and a batch's
-  images go to HF `generate` as one `pixel_values` tensor in row order, which is the order the model puts
-  their features into the image-token positions. Weight sync takes LLaVA checkpoint names (either layout) and
-  the language model's `LlamaForCausalLM` names (`model.layers.0...`, as the Megatron trainer exports them).
+- images (a LLaVA model, `LlavaForConditionalGeneration`, or a Qwen2-VL / Qwen2.5-VL model,
+  `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration`): `generate(..., images=[Pixels or
+  None per prompt])`; the prompts hold the expanded image tokens (`prompts.PromptEncoder`), and a batch's
+  images go to HF `generate` as one `pixel_values` tensor in row order (Qwen VL: and `image_grid_thw` in the
+  same order), which is the order the model puts their features into the image-token positions. The image
+  token is never sampled. Weight sync takes LLaVA checkpoint names (either layout) and the language model's
+  `LlamaForCausalLM` names (`model.layers.0...`, as the Megatron trainer exports them); for Qwen VL the
+  checkpoint names (`model.*` the language model under `Qwen2ForCausalLM` names, `lm_head.weight`, `visual.*`).
+- Qwen VL's multimodal RoPE on a left-padded batch: transformers (5.x) computes each row's M-RoPE positions
+  (`get_rope_index`) inside `generate` only when it gets `mm_token_type_ids` ([B, L] int: 1 at image tokens,
+  0 at text and padding) beside `attention_mask` (`get_rope_index` drops the left padding by it, so each row's
+  positions start at 0 at its first real token) and `image_grid_thw`; without `mm_token_type_ids` it silently
+  falls back to 1-D text positions. The engine passes all three. Each generated token then takes the row's
+  last position + 1 on all three axes, as `train.qwen_vl.mrope_positions` gives the trainer.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from typing import Any, overload
 import torch
 from transformers import StoppingCriteria
 
+from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, DataError, YattError
 from yatt_ray.rollout.base import (
     Completion,
@@ -48,7 +58,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class HFEngine:
     """`RolloutEngine` on `transformers` `AutoModelForCausalLM.generate` (`LlavaForConditionalGeneration`
-    for a LLaVA directory, which then also takes images).
+    for a LLaVA directory, `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` for a Qwen
+    VL one, which then also take images).
 
     Args:
         model_dir: a Hugging Face model directory (config, safetensors; the tokenizer is not needed).
@@ -70,6 +81,8 @@ class HFEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        from yatt_ray.train.qwen_vl import is_qwen_vl
+
         if dtype not in _DTYPES:
             raise ConfigError(f"HFEngine dtype={dtype!r} is not one of {sorted(_DTYPES)}")
         if max_batch_size is not None and max_batch_size < 1:
@@ -79,11 +92,13 @@ class HFEngine:
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"HFEngine device={device!r} but torch sees no CUDA device: use device='cpu'")
         self.model_dir = str(model_dir)
-        self.image_token_id: int | None = None  # set for a LLaVA model, with tokens_per_image
-        self.tokens_per_image: int | None = None
-        self._image_size: tuple[int, int, int] | None = None  # (channels, height, width)
-        self._rename: Callable[[str], str] | None = None  # weight-sync name map (LLaVA)
-        if _is_llava(self.model_dir):
+        self.image_token_id: int | None = None  # set for a vision-language model
+        self.tokens_per_image: int | None = None  # LLaVA: tokens of one image
+        self.merge: int | None = None  # Qwen VL: spatial_merge_size (an image takes t*h*w / merge^2 tokens)
+        self._pixel_shape: tuple[int, ...] | None = None  # a pixel row: LLaVA (C, H, W), Qwen VL (C*tp*p*p,)
+        self._rename: Callable[[str], str] | None = None  # weight-sync name map (vision-language models)
+        config_json = _read_config(self.model_dir)
+        if config_json.get("model_type") == "llava":
             from transformers import LlavaForConditionalGeneration
 
             from yatt_ray.train.vision import image_shape, image_token_id, llava_module_name, tokens_per_image
@@ -91,8 +106,21 @@ class HFEngine:
             model: Any = LlavaForConditionalGeneration.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
             self.image_token_id = image_token_id(model.config)
             self.tokens_per_image = tokens_per_image(model.config)
-            self._image_size = image_shape(model.config)
+            self._pixel_shape = image_shape(model.config)
             self._rename = llava_module_name  # checkpoint / Llama names -> the model's state_dict names
+        elif is_qwen_vl(config_json):
+            import transformers
+
+            model = getattr(transformers, _qwen_vl_class(config_json)).from_pretrained(
+                self.model_dir, dtype=_DTYPES[dtype]
+            )
+            vision = model.config.vision_config
+            self.image_token_id = int(model.config.image_token_id)
+            self.merge = int(vision.spatial_merge_size)
+            self._pixel_shape = (
+                int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2,
+            )
+            self._rename = qwen_vl_module_name
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
         model.requires_grad_(False)
@@ -162,10 +190,15 @@ class HFEngine:
         earlier batches) and so are those of `wait_for` it holds, later batches are skipped once no `wait_for`
         prompt is left in them, and prompts with an unfinished row are None.
 
-        `images` (LLaVA models only): one entry per prompt, that prompt's pixel_values [I_k, C, H, W] (the
-        image processor's output, images in the order of their image-token runs in the prompt; I_k = 0 for a
-        prompt without images) or None for a text-only prompt. Every sample of the prompt sees its images. The
-        prompt must hold exactly I_k * `tokens_per_image` image tokens (`image_token_id`), already expanded.
+        `images` (vision-language models only): one entry per prompt, that prompt's `Pixels` (the image
+        processor's output, images in the order of their image-token runs in the prompt; I_k = 0 images for a
+        prompt without any) or None for a text-only prompt. Every sample of the prompt sees its images.
+        - LLaVA: values [I_k, C, H, W], grid None; the prompt holds exactly I_k * `tokens_per_image` image
+          tokens (`image_token_id`), already expanded.
+        - Qwen2-VL / 2.5-VL: values [sum_k t*h*w, C*tp*p*p] (every image's patch rows in turn), grid [I_k, 3]
+          (`image_grid_thw`: t, h, w in patches); image k is one run of exactly t*h*w / `merge`^2 image
+          tokens (`<|image_pad|>`, between `<|vision_start|>` and `<|vision_end|>`).
+        A prompt whose image tokens disagree with its images raises DataError naming the prompt.
         """
         self._check_usable("generate")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
@@ -212,8 +245,10 @@ class HFEngine:
     ) -> list[Completion]:
         """One `model.generate` over `rows`. `stopper(prompt_width)`, when given, makes a stopping criterion
         that may end it early, leaving some rows unfinished (cut short: neither a stop token nor
-        `max_new_tokens` tokens). `row_images[i]`: row i's pixel_values or None; the batch's images go to the
-        model concatenated in row order ([sum I_i, C, H, W]), as its image tokens come row by row."""
+        `max_new_tokens` tokens). `row_images[i]`: row i's `Pixels` or None; the batch's images go to the
+        model concatenated in row order (pixel_values [sum P_i, *S]; Qwen VL: image_grid_thw [sum I_i, 3] too,
+        with `mm_token_type_ids` [rows, width] for its M-RoPE positions), as its image tokens come row by
+        row."""
         from transformers import GenerationConfig, StoppingCriteriaList
 
         if not rows:
@@ -245,10 +280,17 @@ class HFEngine:
             suppress_tokens=None if self.image_token_id is None else [self.image_token_id],
             **sampling,
         )
-        pixels = [p for p in (row_images or ()) if p is not None and len(p)]
-        extra = {}
+        pixels = [p for p in (row_images or ()) if p is not None and p.count]
+        extra: dict[str, torch.Tensor] = {}
         if pixels:
-            extra["pixel_values"] = torch.cat(pixels).to(self._device, self._model.dtype)
+            values = torch.cat([p.values for p in pixels])
+            extra["pixel_values"] = values.to(self._device, self._model.dtype)
+        if self.merge is not None and self.image_token_id is not None:  # Qwen VL: see the module docstring
+            image_tokens = input_ids.eq(self.image_token_id) & attention_mask.bool()
+            extra["mm_token_type_ids"] = image_tokens.int().to(self._device)
+            if pixels:
+                grids = [p.grid for p in pixels if p.grid is not None]
+                extra["image_grid_thw"] = torch.cat(grids).long().to(self._device)
         with self._rng.active(seed), torch.no_grad():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device),
@@ -279,47 +321,80 @@ class HFEngine:
         elif not isinstance(images, list | tuple) or len(images) != len(prompts):
             got = len(images) if isinstance(images, list | tuple) else type(images).__name__
             raise ConfigError(
-                f"images must be a list with one entry (pixel_values or None) per prompt: {len(prompts)} "
+                f"images must be a list with one entry (Pixels or None) per prompt: {len(prompts)} "
                 f"prompts, images {got}"
             )
         given = [i for i, p in enumerate(images) if p is not None]
-        if self.image_token_id is None or self.tokens_per_image is None or self._image_size is None:
+        if self.image_token_id is None or self._pixel_shape is None:
             if given:
                 arch = type(self._model).__name__
                 raise ConfigError(
                     f"HFEngine: prompt(s) {given[:5]} come with images, but the model in {self.model_dir!r} is "
-                    f"a text-only {arch}: use a LLaVA (LlavaForConditionalGeneration) model directory, or "
-                    "drop the images"
+                    f"a text-only {arch}: use a LLaVA (LlavaForConditionalGeneration) or Qwen2-VL / "
+                    "Qwen2.5-VL model directory, or drop the images"
                 )
             return list(images)
-        from yatt_ray.train.vision import check_image_count
-
         for i, (prompt, pixels) in enumerate(zip(prompts, images)):
-            if pixels is not None and (
-                not isinstance(pixels, torch.Tensor)
-                or pixels.dim() != 4
-                or tuple(pixels.shape[1:]) != self._image_size
-            ):
-                shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
-                c, h, w = self._image_size
-                raise ConfigError(
-                    f"images[{i}] has shape {shape}; the model takes pixel_values [I, {c}, {h}, {w}]: the "
-                    "output of the model directory's image processor (a prompt without images: None or "
-                    f"[0, {c}, {h}, {w}], as prompts.PromptEncoder gives it)"
-                )
+            if pixels is not None:
+                self._check_pixels(i, pixels, self._pixel_shape)
             try:
-                check_image_count(
-                    prompt, 0 if pixels is None else len(pixels), self.image_token_id, self.tokens_per_image
-                )
+                if self.merge is not None:
+                    _check_image_runs(prompt, pixels, self.image_token_id, self.merge)
+                else:
+                    from yatt_ray.train.vision import check_image_count
+
+                    count = 0 if pixels is None else pixels.count
+                    check_image_count(prompt, count, self.image_token_id, self.tokens_per_image or 0)
             except DataError as e:
                 raise DataError(f"prompt {i}: {e}") from None
         return list(images)
+
+    def _check_pixels(self, i: int, pixels: object, pixel_shape: tuple[int, ...]) -> None:
+        """ConfigError unless `pixels` (images[i]) is a `Pixels` of this model's kind, its rows of
+        `pixel_shape`; DataError when a Qwen VL grid does not make as many patches as there are rows."""
+        qwen = self.merge is not None
+        shape = f"[patches, {pixel_shape[0]}]" if qwen else "[I, {}, {}, {}]".format(*pixel_shape)
+        if not isinstance(pixels, Pixels):
+            raise ConfigError(
+                f"images[{i}] is a {type(pixels).__name__}; each entry must be a yatt_ray.batch.Pixels (values "
+                f"{shape}{' and grid [I, 3]' if qwen else ''}, the image processor's output) or None: wrap "
+                "bare pixel_values as "
+                + ("Pixels(values, grid=image_grid_thw)" if qwen else "Pixels(values)")
+            )
+        values, grid = pixels.values, pixels.grid
+        if not isinstance(values, torch.Tensor) or tuple(values.shape[1:]) != pixel_shape:
+            got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ConfigError(
+                f"images[{i}] has shape {got}; the model takes pixel_values {shape}: the output of the model "
+                f"directory's image processor (a prompt without images: None or 0 rows, as "
+                "prompts.PromptEncoder gives it)"
+            )
+        if not qwen:
+            if grid is not None:
+                raise ConfigError(
+                    f"images[{i}] has an image grid {tuple(grid.shape)}, but the model in {self.model_dir!r} is a "
+                    "LLaVA model (one pixel row per image, no grid): pass Pixels(values) from its processor"
+                )
+            return
+        if grid is None or grid.dim() != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point:
+            desc = "None" if grid is None else f"{tuple(grid.shape)} {grid.dtype}"
+            raise ConfigError(
+                f"images[{i}] has grid {desc}; a Qwen VL model needs image_grid_thw [I, 3] (integer t, h, w "
+                "patches per image, from its image processor; [0, 3] for a prompt without images)"
+            )
+        patches = int(grid.long().prod(-1).sum())
+        if len(values) != patches:
+            raise DataError(
+                f"images[{i}] has {len(values)} pixel rows but its image_grid_thw {grid.tolist()} makes "
+                f"{patches} patches: pass pixel_values and image_grid_thw from the same processor call"
+            )
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a bucket into the model's parameters (names as in `model.state_dict()`; for a LLaVA model
         also as in its checkpoint and, for the language model, as in `LlamaForCausalLM`: see
-        `train.vision.llava_module_name`)."""
+        `train.vision.llava_module_name`; for a Qwen VL model also as in its checkpoint: see
+        `qwen_vl_module_name`)."""
         self._check_usable("load_weights")
         targets = self._model.state_dict(keep_vars=True)
         rename = self._rename
@@ -390,12 +465,61 @@ class HFEngine:
         return f"HFEngine({self.model_dir!r}, device={self._device}, max_model_len={self.max_model_len})"
 
 
-def _is_llava(model_dir: str) -> bool:
-    """Whether `model_dir/config.json` is a LLaVA model (model_type "llava")."""
+def _read_config(model_dir: str) -> dict:
+    """`model_dir/config.json` parsed, or {} without one (`from_pretrained` then names what is missing)."""
     import json
 
     config = Path(model_dir) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "llava"
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def _qwen_vl_class(config: dict) -> str:
+    """The transformers class name of a Qwen VL config.json (by model_type, else by architectures)."""
+    from yatt_ray.train.qwen_vl import MODEL_TYPES
+
+    name = MODEL_TYPES.get(config.get("model_type", ""))
+    return name or next(a for a in config.get("architectures") or [] if a in MODEL_TYPES.values())
+
+
+def qwen_vl_module_name(name: str) -> str:
+    """The `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` `state_dict()` name
+    (transformers 5) of a weight named as in the checkpoint on disk: `model.*` (the language model under
+    `Qwen2ForCausalLM` names) -> `model.language_model.*`, `visual.*` -> `model.visual.*`, `lm_head.*` and
+    names already in the in-memory layout unchanged (`train.qwen_vl` documents both layouts)."""
+    if name.startswith(("model.language_model.", "model.visual.", "lm_head.")):
+        return name
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model."):
+        return "model.language_model." + name[len("model.") :]
+    return name
+
+
+def _check_image_runs(prompt: list[int], pixels: Pixels | None, image_token_id: int, merge: int) -> None:
+    """DataError unless the runs of `image_token_id` in `prompt` are, in order, one per image of
+    `pixels.grid` [I, 3], of t*h*w / merge^2 tokens each (h and w multiples of `merge`)."""
+    runs: list[int] = []
+    for j, t in enumerate(prompt):
+        if t == image_token_id:
+            if j > 0 and prompt[j - 1] == image_token_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+    grids = [] if pixels is None or pixels.grid is None else pixels.grid.long().tolist()
+    odd = [g for g in grids if g[1] % merge or g[2] % merge]
+    if odd:
+        raise DataError(
+            f"image grid(s) {odd} (t, h, w patches) are not multiples of the merge size {merge} in h and w: "
+            "pass image_grid_thw from the model's own image processor"
+        )
+    need = [t * h * w // merge**2 for t, h, w in grids]
+    if runs != need:
+        raise DataError(
+            f"the prompt holds image-token runs (id {image_token_id}) of {runs} tokens ({sum(runs)} in all), "
+            f"but its {len(grids)} image(s) of grid {grids} need runs of {need} (t*h*w / {merge}^2 each, "
+            f"{sum(need)} in all): put one image placeholder per image in the prompt, expand each to its "
+            "image's tokens (prompts.PromptEncoder does) and pass the pixels and grid of those same images"
+        )
 
 
 def _finished(completion: Completion, spec: SamplingSpec) -> bool:

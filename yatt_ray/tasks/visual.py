@@ -112,6 +112,30 @@ def make_problems(
     return rows
 
 
+GEO3K_SOURCE = "hiyouga/geometry3k"  # verl's geo3k data_source: `reward.function=math` reads boxed answers
+GEO3K_INSTRUCTION = " Put the final answer in \\boxed{}."
+
+
+def as_geo3k(rows: list[dict], split: str = "train") -> list[dict]:
+    """`make_problems` rows in the layout of verl's geometry3k parquet files: `prompt` a one-message chat list
+    ([{"role": "user", "content": "<image>Sum: ... \\boxed{}."}]), `images` entries {"bytes", "path": None},
+    `reward_model` {"style": "rule", "ground_truth"}, `extra_info` {"split", "index", "answer", "question"},
+    `data_source` GEO3K_SOURCE, `ability` "math": read with data.answer_key=reward_model.ground_truth and
+    data.id_key=extra_info.index, as examples/configs/grpo_qwen_vl_geo3k.yaml does."""
+    out = []
+    for r in rows:
+        question = r["prompt"] + GEO3K_INSTRUCTION
+        out.append({
+            "data_source": GEO3K_SOURCE,
+            "prompt": [{"role": "user", "content": question}],
+            "images": [{"bytes": im.get("bytes"), "path": im.get("path")} for im in r.get("images") or []],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": r["ground_truth"]},
+            "extra_info": {"split": split, "index": r["id"], "answer": r["ground_truth"], "question": question},
+        })  # fmt: skip
+    return out
+
+
 def render(
     numbers: list[int],
     width: int,

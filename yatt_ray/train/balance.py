@@ -19,9 +19,11 @@ One exchange, on every rank of the data-parallel process group (a collective):
   5. each rank joins what it holds into one batch (`yatt_ray.batch.concat`: prompts left-padded, responses
      right-padded to the widest, image slots zero-padded to the most; `group_size` = the s used), and keeps a
      `Restore` that sends per-row results back.
-A vision batch's `pixel_values` [N, I, C, H, W] and `image_count` [N] are row fields like the others: a row's
-images travel with it, and a row without images (count 0; every row of a rank may be one, I = 0) is a text
-row.
+A vision batch's images are held once per prompt (`batch.PromptImages`, rows point at theirs by
+`image_prompt`): a message carries the images of the prompts its rows name, once each (a sliced group sends
+its prompt's images with every slice, as it sends the prompt's tokens), and a prompt without images is a text
+prompt. Each rank's all-gathered summary holds its rows' prompts and each prompt's pixel rows and image count,
+from which a receiver sizes what it gets.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from yatt_ray.batch import RolloutBatch, concat
+from yatt_ray.batch import PromptImages, RolloutBatch, concat
 from yatt_ray.metrics.flops import ModelFlops, PerfModel
 
 MODES = ("tokens", "flops")
@@ -244,6 +246,11 @@ class _Shard:
     group_size: int
     costs: dict[int, tuple[float, ...]]  # unit size -> the units' costs at that size
     fields: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+    # images: each row's prompt, each prompt's (pixel rows, images), the pixel row shape S, whether a grid comes
+    row_prompt: tuple[int, ...] = ()
+    prompt_sizes: tuple[tuple[int, int], ...] = ()
+    pixel_shape: tuple[int, ...] | None = None
+    has_grid: bool = False
 
     def unit_rows(self, unit: int) -> list[int]:
         return list(range(unit * self.group_size, min((unit + 1) * self.group_size, self.rows)))
@@ -251,10 +258,31 @@ class _Shard:
     def rows_of(self, units: list[int]) -> list[int]:
         return [i for u in units for i in self.unit_rows(u)]
 
+    def image_specs(self, rows: list[int]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of the `PromptImages.tensors()` of `rows`' prompts ([] for a text batch)."""
+        if self.pixel_shape is None:
+            return []
+        prompts = sorted({self.row_prompt[r] for r in rows})  # the order `RolloutBatch.rows` keeps them in
+        pixel_rows = sum(self.prompt_sizes[g][0] for g in prompts)
+        images = sum(self.prompt_sizes[g][1] for g in prompts)
+        specs = [(torch.float32, (pixel_rows, *self.pixel_shape)), (torch.long, (len(prompts),))]
+        specs.append((torch.long, (len(prompts),)))
+        return specs + ([(torch.long, (images, 3))] if self.has_grid else [])
+
 
 def _shard(batch: RolloutBatch, costs: dict[int, tuple[float, ...]]) -> _Shard:
     tensors = batch.tensors()
+    images: dict = {}
+    if batch.images is not None and batch.image_prompt is not None:
+        im = batch.images
+        images = dict(
+            row_prompt=tuple(batch.image_prompt.tolist()),
+            prompt_sizes=tuple(zip(im.rows.tolist(), im.counts.tolist())),
+            pixel_shape=tuple(im.values.shape[1:]),
+            has_grid=im.grid is not None,
+        )
     return _Shard(
+        **images,
         rows=batch.size,
         prompt_width=batch.prompt_width,
         response_width=batch.input_ids.shape[1] - batch.prompt_width,
@@ -350,7 +378,7 @@ def exchange(
     batch = dataclasses.replace(batch, group_size=size)
     mine = shards[me]
     sends = {
-        r: _to_bytes(list(_pick(batch, mine.rows_of(plan.units(me, r))).tensors().values()))
+        r: _to_bytes(_message(_pick(batch, mine.rows_of(plan.units(me, r)))))
         for r in range(world)
         if r != me and plan.units(me, r)
     }
@@ -370,18 +398,21 @@ def exchange(
 
 def _check_same_layout(shards: list[_Shard]) -> None:
     """Every rank must set the same row fields (dtypes included), use the same group size and, with images,
-    the same image shape (C, H, W) of `pixel_values` [N, I, C, H, W] (the slot count I may differ, 0 on a rank
-    whose rows have no image: `concat` pads it)."""
+    the same pixel row shape S (and grids or none)."""
     layouts = [
-        (s.group_size, tuple((k, d, t[1:] if k == "pixel_values" else ()) for k, d, t in s.fields))
-        for s in shards
+        (s.group_size, tuple((k, d) for k, d, _ in s.fields), s.pixel_shape, s.has_grid) for s in shards
     ]
     if any(lay != layouts[0] for lay in layouts):
         raise ValueError(
             f"balance.exchange: the ranks' batches differ in group size, row fields or image shape: "
-            f"{layouts}; every rank must reach the exchange after the same phases (same fields set, same rollout.n), its "
-            "pixels from `batch.stack_images` (a rank without images: [N, 0, C, H, W])"
+            f"{layouts}; every rank must reach the exchange after the same phases (same fields set, same "
+            "rollout.n), its images from `batch.prompt_images` (a prompt without images: [0, *S] pixels)"
         )
+
+
+def _message(batch: RolloutBatch) -> list[Tensor]:
+    """The tensors one rank sends another for `batch`'s rows: the row fields, then their prompts' images."""
+    return list(batch.tensors().values()) + ([] if batch.images is None else batch.images.tensors())
 
 
 def _pick(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
@@ -389,16 +420,19 @@ def _pick(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
 
 
 def _specs(shard: _Shard, units: list[int]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """(dtype, shape) of each field of `units`' rows of `shard`, in field order: what its message holds."""
-    n = len(shard.rows_of(units))
-    return [(dtype, (n, *trail)) for _, dtype, trail in shard.fields]
+    """(dtype, shape) of each field of `units`' rows of `shard`, in field order, then of their prompts'
+    images: what its message (`_message`) holds."""
+    rows = shard.rows_of(units)
+    return [(dtype, (len(rows), *trail)) for _, dtype, trail in shard.fields] + shard.image_specs(rows)
 
 
 def _piece(like: RolloutBatch, shard: _Shard, tensors: list[Tensor]) -> RolloutBatch:
     """A RolloutBatch of received rows, with the sender's widths, on the local batch's device."""
     device = like.input_ids.device
-    fields = {name: t.to(device) for (name, _, _), t in zip(shard.fields, tensors)}
-    return RolloutBatch(**fields, prompt_width=shard.prompt_width, group_size=shard.group_size)  # type: ignore[arg-type]
+    fields: dict = {name: t.to(device) for (name, _, _), t in zip(shard.fields, tensors)}
+    rest = tensors[len(shard.fields) :]
+    images = PromptImages.from_tensors(rest) if rest else None
+    return RolloutBatch(**fields, prompt_width=shard.prompt_width, group_size=shard.group_size, images=images)
 
 
 # ---- wire format: tensors <-> one uint8 message per rank pair -------------------------------------------

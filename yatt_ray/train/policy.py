@@ -13,9 +13,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from yatt_ray.errors import DataError
+from yatt_ray.train import qwen_vl
 from yatt_ray.train.hf_convert import StateDict, is_vision_model, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
 from yatt_ray.train.model import build_gpt_model, forward_packed, load_hf_weights
@@ -30,17 +33,25 @@ from yatt_ray.train.vision import (
     set_trainable,
 )
 
+if TYPE_CHECKING:
+    from yatt_ray.batch import PromptImages
+
+Encoder = VisionEncoder | qwen_vl.QwenVisionEncoder
+
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
 class MegatronPolicy(MegatronTrainerBase):
     """A Llama policy as a Megatron GPTModel under Megatron DDP, with plain AdamW and an optional reference.
 
-    A LLaVA directory (`hf_convert.is_vision_model`) gives a vision-language policy: the Llama in Megatron and
-    the vision tower + projector as a `vision.VisionEncoder` beside it, replicated on every rank, whose image
-    features replace the image tokens' embeddings (`vision.forward_packed_with_images`). `train_vision`: none
-    (the encoder frozen), projector, or all; trained parts have their own AdamW (same settings), their
-    gradients summed over data-parallel ranks and clipped with the model's (one global norm).
+    A LLaVA or Qwen2-VL / Qwen2.5-VL directory (`hf_convert.is_vision_model`) gives a vision-language policy:
+    the language model in Megatron and the vision encoder (`vision.VisionEncoder`: LLaVA's tower + projector;
+    `qwen_vl.QwenVisionEncoder`: Qwen's vision transformer + merger) beside it, replicated on every rank, whose
+    image features replace the image tokens' embeddings (`vision.forward_packed_with_images`; Qwen VL with
+    M-RoPE positions). Each prompt's images are encoded once per pass, however many samples share them.
+    `train_vision`: none (the encoder frozen), projector (the merger for Qwen VL), or all; trained parts have
+    their own AdamW (same settings), their gradients summed over data-parallel ranks and clipped with the
+    model's (one global norm).
 
     Args:
         model_dir: Hugging Face Llama directory (config.json, *.safetensors, tokenizer files).
@@ -72,12 +83,17 @@ class MegatronPolicy(MegatronTrainerBase):
             model_dir, tp_size, lr, weight_decay, betas, grad_clip, seed, dtype, distributed_optimizer
         )
         self.reference = self._build_model().eval().requires_grad_(False) if with_reference else None
-        self.encoder: VisionEncoder | None = None
-        self.reference_encoder: VisionEncoder | None = None
+        self.encoder: Encoder | None = None
+        self.reference_encoder: Encoder | None = None
         self.encoder_optimizer: torch.optim.Optimizer | None = None
+        self.qwen = self.vision and self.shape.mrope_section is not None
         if self.vision:
-            self.encoder = VisionEncoder.from_hf_dir(self.model_dir).to(self.device)
-            trainable = set_trainable(self.encoder, train_vision)
+            if self.qwen:
+                self.encoder = qwen_vl.QwenVisionEncoder.from_hf_dir(self.model_dir).to(self.device)
+                trainable = qwen_vl.set_trainable(self.encoder, train_vision)
+            else:
+                self.encoder = VisionEncoder.from_hf_dir(self.model_dir).to(self.device)
+                trainable = set_trainable(self.encoder, train_vision)
             self.reference_encoder = self.encoder
             if trainable:
                 params = [p for p in self.encoder.parameters() if p.requires_grad]
@@ -120,26 +136,30 @@ class MegatronPolicy(MegatronTrainerBase):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         group_size: int,
-        pixel_values: torch.Tensor | None = None,
-        image_count: torch.Tensor | None = None,
+        image_prompt: torch.Tensor | None = None,
+        images: PromptImages | None = None,
     ):
         """input_ids, attention_mask [B, T] -> (logp, entropy) [B, T-1]; column t predicts token t+1.
 
         Runs on the shared-prefix packing of `group_size` consecutive rows (`packing`): a group's prompt once.
-        A vision policy also takes each row's images: pixel_values [B, I, 3, H, W], image_count [B].
+        A vision policy also takes the rows' prompts' images: `images` (`batch.PromptImages`, each prompt's
+        once) and `image_prompt` [B] long, row b's prompt in it.
         """
         packed = pack_shared_prefix(input_ids, attention_mask, group_size)
         self.forward_tokens += packed.tokens
         if self.encoder is None:
             logits = forward_packed(model, packed.to(self.device))  # [G, L, V/tp]
         else:
+            if images is None or image_prompt is None:
+                raise ValueError("a vision-language policy needs `images` and `image_prompt` with the batch")
             encoder = self.reference_encoder if model is self.reference else self.encoder
             assert encoder is not None
-            features = self._packed_features(
-                encoder, packed, input_ids, attention_mask, pixel_values, image_count
-            )
+            features = self._packed_features(encoder, packed, input_ids, attention_mask, image_prompt, images)
+            positions = None
+            if isinstance(encoder, qwen_vl.QwenVisionEncoder):
+                positions = self._mrope(encoder, packed, input_ids, attention_mask, image_prompt, images)
             logits = forward_packed_with_images(
-                model, packed.to(self.device), features, encoder.image_token_id
+                model, packed.to(self.device), features, encoder.image_token_id, positions
             )
         logp, entropy = token_logprobs_and_entropy(logits, packed.targets, self.tp_group)
         return packed.unpack(logp), packed.unpack(entropy)
@@ -162,7 +182,8 @@ class MegatronPolicy(MegatronTrainerBase):
         real length) when that is given; rows come back in their original order either way. `group_size`
         consecutive rows (a prompt's samples) are packed together, their common prefix computed once.
         `reference=True` uses the frozen reference model (built with `with_reference=True`). Call `onload()`
-        first if the weights were offloaded. `images`: a vision policy's {"pixel_values", "image_count"} rows.
+        first if the weights were offloaded. `images`: a vision policy's {"image_prompt", "images"}
+        (`RolloutBatch.image_inputs()`).
         """
         if reference and self.reference is None:
             raise RuntimeError("reference log-probs need MegatronPolicy(..., with_reference=True)")
@@ -180,26 +201,63 @@ class MegatronPolicy(MegatronTrainerBase):
         )
         return logp, entropy
 
-    def _packed_features(self, encoder, packed, input_ids, attention_mask, pixel_values, image_count):
-        """Image features [N, D] for the N image tokens of `packed`, in its order: the encoder runs on the images
-        of the rows that lead a packed row only (a group's samples share their prompt's images)."""
-        if pixel_values is None or image_count is None:
-            raise ValueError("a vision-language policy needs pixel_values and image_count with the batch")
+    def _packed_features(
+        self,
+        encoder: Encoder,
+        packed,
+        input_ids,
+        attention_mask,
+        image_prompt: torch.Tensor,
+        images: PromptImages,
+    ) -> torch.Tensor:
+        """Image features [N, D] for the N image tokens of `packed`, in its order. A group's samples share their
+        prompt's images, so only the rows that lead a packed row are looked at, and each prompt they name is
+        encoded once (several slices of one group in a micro-batch share it too)."""
         index = packed_image_index(
             packed, input_ids, attention_mask, encoder.image_token_id, share_images=True
         )
-        counts = image_count.tolist()
-        per_image = encoder.tokens_per_image
-        leaders = sorted({int(r) for r in packed.first_row.tolist() if counts[int(r)]})
+        real = attention_mask.cpu().bool()
+        per_row = ((input_ids.cpu() == encoder.image_token_id) & real).sum(1).tolist()  # image tokens a row
+        row_start = [0, *torch.tensor(per_row).cumsum(0).tolist()]
+        leaders = sorted({int(r) for r in packed.first_row.tolist() if per_row[int(r)]})
         width = int(encoder.config.text_config.hidden_size)
-        flat = torch.zeros(sum(counts) * per_image, width, device=self.device)
-        if leaders:
-            images = torch.cat([pixel_values[r, : counts[r]] for r in leaders]).to(self.device)
-            features = encoder(images).reshape(-1, width)
-            starts = [sum(counts[:r]) * per_image for r in leaders]
-            spans = torch.cat([torch.arange(s, s + counts[r] * per_image) for s, r in zip(starts, leaders)])
-            flat = flat.index_put((spans.to(self.device),), features.to(flat.dtype))
+        flat = torch.zeros(row_start[-1], width, device=self.device)
+        if not leaders:
+            return flat[index.to(self.device)]
+        prompt_of = image_prompt.cpu().tolist()
+        prompts = sorted({prompt_of[r] for r in leaders})
+        chosen = images.select(prompts)
+        features = _encode(encoder, chosen, self.device)  # [tokens, D], prompt after prompt
+        tokens = _prompt_tokens(encoder, chosen)
+        at = dict(zip(prompts, [0, *torch.tensor(tokens).cumsum(0).tolist()]))
+        spans, picks = [], []
+        for r in leaders:
+            g = prompt_of[r]
+            if per_row[r] != tokens[prompts.index(g)]:
+                raise DataError(
+                    f"row {r} holds {per_row[r]} image tokens but its prompt's images make "
+                    f"{tokens[prompts.index(g)]}; the prompt's ids and pixels disagree"
+                )
+            spans.append(torch.arange(row_start[r], row_start[r] + per_row[r]))
+            picks.append(torch.arange(at[g], at[g] + per_row[r]))
+        rows = torch.cat(spans).to(self.device)
+        flat = flat.index_put((rows,), features[torch.cat(picks).to(features.device)].to(flat.dtype))
         return flat[index.to(self.device)]
+
+    def _mrope(self, encoder, packed, input_ids, attention_mask, image_prompt, images) -> torch.Tensor:
+        """[3, G, L] M-RoPE positions of `packed` (`qwen_vl.packed_positions`) from each row's real tokens and
+        its prompt's image grids."""
+        real = attention_mask.cpu().bool()
+        ids = input_ids.cpu()
+        prompt_of = image_prompt.cpu().tolist()
+        grids = {g: images.prompt(g).grid for g in set(prompt_of)}
+        rows = [
+            qwen_vl.mrope_positions(
+                ids[r][real[r]], grids[prompt_of[r]], encoder.image_token_id, encoder.merge
+            )
+            for r in range(len(ids))
+        ]
+        return qwen_vl.packed_positions(packed, rows)
 
     # ---- training -----------------------------------------------------------------------------------------
 
@@ -222,7 +280,7 @@ class MegatronPolicy(MegatronTrainerBase):
         """
 
         def micro_loss(micro: dict) -> tuple[torch.Tensor, dict]:
-            images = {k: micro[k] for k in ("pixel_values", "image_count") if k in micro}
+            images = {k: micro[k] for k in ("image_prompt", "images") if k in micro}
             logp, entropy = self._forward(
                 self.model, micro["input_ids"], micro["attention_mask"], group_size, **images
             )
@@ -234,8 +292,8 @@ class MegatronPolicy(MegatronTrainerBase):
 
     def hf_state_dict(self, trained_only: bool = False) -> StateDict | None:
         """Full HF-named weights gathered over the TP group (every TP rank must call); None off TP rank 0.
-        A vision policy's come under LLaVA's checkpoint names, the encoder's included (`trained_only`: only
-        its parts that train, for a weight sync)."""
+        A vision policy's come under its checkpoint names (LLaVA's or Qwen VL's), the encoder's included
+        (`trained_only`: only its parts that train, for a weight sync)."""
         shards = self._gather_tp_shards()
         if shards is None:
             return None
@@ -244,6 +302,8 @@ class MegatronPolicy(MegatronTrainerBase):
             return language
         trained = {n for n, p in self.encoder.named_parameters() if p.requires_grad}
         vision = {n: t for n, t in self.encoder.hf_state_dict().items() if not trained_only or n in trained}
+        if self.qwen:
+            return qwen_vl.join_qwen_vl_state_dict(language, vision)
         return join_llava_state_dict(language, vision)
 
     def iter_hf_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -264,6 +324,26 @@ class MegatronPolicy(MegatronTrainerBase):
         if sd is None or not self._is_writer():
             return None
         return write_hf_dir(self.model_dir, out_dir, sd)
+
+
+def _encode(encoder: Encoder, images: PromptImages, device) -> torch.Tensor:
+    """Features [tokens, D] of every image of `images`, in order."""
+    values = images.values.to(device)
+    if isinstance(encoder, qwen_vl.QwenVisionEncoder):
+        assert images.grid is not None, "Qwen VL images come with their image_grid_thw"
+        return encoder(values, images.grid.to(device))
+    features = encoder(values)  # [I, P, D]
+    return features.reshape(-1, features.shape[-1])
+
+
+def _prompt_tokens(encoder: Encoder, images: PromptImages) -> list[int]:
+    """Image tokens of each prompt of `images`."""
+    if isinstance(encoder, qwen_vl.QwenVisionEncoder):
+        assert images.grid is not None
+        per_image = encoder.tokens(images.grid).tolist()
+        ends = images.counts.cumsum(0).tolist()
+        return [sum(per_image[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
+    return (images.counts * encoder.tokens_per_image).tolist()
 
 
 def _buckets(sd: StateDict, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -61,22 +61,29 @@ _VISION_PREFIXES: dict[str, tuple[str, ...]] = {
 
 # ---------------------------------------------------------------------------------------------- image tokens
 def expand_image_tokens(
-    ids: list[int], image_token_id: int, tokens_per_image: int, num_images: int | None = None
+    ids: list[int], image_token_id: int, tokens_per_image: int | list[int], num_images: int | None = None
 ) -> list[int]:
     """Each `image_token_id` in `ids` (one placeholder per image) becomes `tokens_per_image` copies, as
-    transformers' `LlavaProcessor` expands `<image>`; other ids are kept in order.
+    transformers' `LlavaProcessor` expands `<image>` (a list: image k's own count, as Qwen VL's processor
+    expands `<|image_pad|>` by its grid); other ids are kept in order.
 
     len(result) = len(ids) + (tokens_per_image - 1) * ids.count(image_token_id). With `num_images`, first
     checks that the placeholders number exactly `num_images` (DataError otherwise), which also catches ids
     that were expanded already.
     """
-    if tokens_per_image < 1:
+    if isinstance(tokens_per_image, list):
+        counts = tokens_per_image
+        num_images = len(counts)
+    else:
+        counts = [tokens_per_image] * ids.count(image_token_id)
+    if any(c < 1 for c in counts):
         raise ConfigError(f"tokens_per_image={tokens_per_image} must be >= 1")
     if num_images is not None:
         check_image_count(ids, num_images, image_token_id, tokens_per_image=1)
     out: list[int] = []
+    image = iter(counts)
     for t in ids:
-        out.extend([t] * tokens_per_image if t == image_token_id else (t,))
+        out.extend([t] * next(image) if t == image_token_id else (t,))
     return out
 
 
@@ -246,13 +253,16 @@ def llava_module_name(name: str) -> str:
 
 
 def load_language_model_weights(model, model_dir: str | Path, shape: LlamaShape) -> None:
-    """Copy this TP rank's shard of a LLaVA directory's language model into a GPTModel from
-    `build_gpt_model(text_shape(model_dir))` (the LLaVA counterpart of `model.load_hf_weights`)."""
+    """Copy this TP rank's shard of a vision-language directory's language model (LLaVA's Llama, or Qwen VL's
+    Qwen2) into a GPTModel from `build_gpt_model(LlamaShape.from_hf_dir(model_dir))` (the counterpart of
+    `model.load_hf_weights`)."""
     from megatron.core import parallel_state as ps
 
     from yatt_ray.train.model import load_megatron_shard, read_hf_state_dict
+    from yatt_ray.train.qwen_vl import split_qwen_vl_state_dict
 
-    lm, _ = split_llava_state_dict(read_hf_state_dict(model_dir))
+    split = split_qwen_vl_state_dict if shape.mrope_section is not None else split_llava_state_dict
+    lm, _ = split(read_hf_state_dict(model_dir))
     shard = hf_to_megatron(
         lm,
         shape,
@@ -509,13 +519,19 @@ def packed_image_index(
 
 
 def forward_packed_with_images(
-    model, packed: SharedPrefixRows, image_features: torch.Tensor | None, image_token_id: int
+    model,
+    packed: SharedPrefixRows,
+    image_features: torch.Tensor | None,
+    image_token_id: int,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`model.forward_packed` with images: `image_features` [N, D] in packed order (`packed_image_index`) or
-    None for text-only rows -> outputs [G, L, ...] (logits [G, L, V/tp] for a policy)."""
+    None for text-only rows; `positions` [3, G, L] M-RoPE positions (Qwen VL: `qwen_vl.packed_positions`),
+    None = the packed rows' own -> outputs [G, L, ...] (logits [G, L, V/tp] for a policy)."""
     from yatt_ray.train.model import attention_input
 
     embeddings = decoder_input(model, packed.input_ids, image_features, image_token_id)
+    where = packed.position_ids if positions is None else positions.to(packed.input_ids.device)
     return forward_with_decoder_input(
-        model, packed.input_ids, packed.position_ids, attention_input(model, packed), embeddings
+        model, packed.input_ids, where, attention_input(model, packed), embeddings
     )
