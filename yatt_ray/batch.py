@@ -44,10 +44,13 @@ class Pixels:
     values [P, *S] float32: LLaVA: one row per image (P = I, S = (C, H, W)); Qwen2-VL / 2.5-VL: one row per
            patch of every image in turn (S = (C * temporal_patch * patch^2,)).
     grid   [I, 3] long: Qwen VL's `image_grid_thw` (image k has t*h*w patch rows); None for LLaVA.
+    features [tokens, D]: the policy's features of these images (`MegatronPolicy.image_features`), set only
+           for a rollout engine that takes features instead of pixels (vLLM); never part of a batch.
     A prompt without images: P = 0 (and I = 0)."""
 
     values: Tensor
     grid: Tensor | None = None
+    features: Tensor | None = None
 
     @property
     def count(self) -> int:

@@ -293,6 +293,10 @@ def test_policy_log_probs_and_a_step_with_images_once_per_prompt(qwen):
             ref = torch.log_softmax(hf_logits(hf, r, p.values if p.count else None, p.grid), -1)
         want = ref[:-1].gather(-1, torch.tensor(r[1:])[:, None])[:, 0]
         torch.testing.assert_close(logp[i, width - len(r) :], want, atol=LOGITS_ATOL, rtol=0)
+    features = policy.image_features(pixels)  # what a features-taking engine (vLLM) gets: the trainer's own
+    assert [len(f) for f in features] == [int(grid_a.prod()) // 4, int(grid_b.prod(-1).sum()) // 4, 0]
+    with torch.no_grad():
+        torch.testing.assert_close(features[1], policy.encoder(pix_b, grid_b), atol=1e-6, rtol=0)
     merger = {n: t.detach().clone() for n, t in policy.encoder.named_parameters()}
 
     def loss_fn(lp, entropy, mb):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from yatt_ray.batch import Pixels, PromptImages
 from yatt_ray.errors import DataError
 from yatt_ray.train import qwen_vl
 from yatt_ray.train.hf_convert import StateDict, is_vision_model, megatron_to_hf
@@ -32,9 +32,6 @@ from yatt_ray.train.vision import (
     packed_image_index,
     set_trainable,
 )
-
-if TYPE_CHECKING:
-    from yatt_ray.batch import PromptImages
 
 Encoder = VisionEncoder | qwen_vl.QwenVisionEncoder
 
@@ -258,6 +255,21 @@ class MegatronPolicy(MegatronTrainerBase):
             for r in range(len(ids))
         ]
         return qwen_vl.packed_positions(packed, rows)
+
+    @torch.no_grad()
+    def image_features(self, pixels: list[Pixels]) -> list[torch.Tensor]:
+        """Each prompt's image features [tokens_g, D] (float32, CPU) from the current encoder, all prompts in
+        one encoder call: what a rollout engine that takes features (vLLM) puts at the image tokens. A prompt
+        without images gets [0, D]. No collective (the encoder is replicated): the controller calls it alone."""
+        if self.encoder is None:
+            raise ValueError("image_features: this policy has no vision encoder (a text model)")
+        images = PromptImages.of(pixels)
+        tokens = _prompt_tokens(self.encoder, images)
+        features = _encode(self.encoder, images, self.device).float().cpu() if sum(tokens) else None
+        width = int(self.encoder.config.text_config.hidden_size)
+        if features is None:
+            return [torch.zeros(0, width) for _ in pixels]
+        return list(features.split(tokens))
 
     # ---- training -----------------------------------------------------------------------------------------
 
