@@ -34,6 +34,7 @@ DynamicSampling = Literal[
 ]  # DAPO's group filter: the value that must vary in a group
 BalanceMode = Literal["off", "tokens", "flops"]  # data-parallel load balancing of the train phase
 DemoTask = Literal["arithmetic", "longtail", "vision"]
+VisionDemoModel = Literal["llava", "qwen2_5_vl"]
 BadImagePolicy = Literal["skip", "raise"]  # a corrupt image or missing path: count and skip the row, or stop
 TrainVision = Literal["none", "projector", "all"]  # which parts of a vision-language policy's encoder train
 TrainDtype = Literal[
@@ -340,6 +341,7 @@ class DemoConfig(_Section):
     """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
 
     task: DemoTask = "arithmetic"  # longtail: copy strings of heavy-tailed length (yatt_ray.tasks.longtail)
+    vision_model: VisionDemoModel = "llava"  # task=vision: the tiny LLaVA, or the tiny Qwen2.5-VL
     sft_steps: int = 250
     judge_sft_steps: int = 400  # the demo GenRM judge (built only when reward.mode uses a GenRM)
     max_operand: int = 19

@@ -500,10 +500,15 @@ class GroupController:
             return torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
 
     def _images(self, prompts: list) -> dict[str, Any]:
-        """The engine's `images` keyword for `prompts` (each with `.pixels`): {} for a text policy."""
+        """The engine's `images` keyword for `prompts` (each with `.pixels`): {} for a text policy. An engine
+        that takes image features (vLLM) gets the policy's own, computed here once a prompt."""
         if self.prompts.layout is None:
             return {}
-        return {"images": [p.pixels for p in prompts]}
+        pixels = [p.pixels for p in prompts]
+        if getattr(self.engine, "takes_image_features", False):
+            features = self.policy.image_features(pixels)
+            pixels = [replace(p, features=f) for p, f in zip(pixels, features)]
+        return {"images": pixels}
 
     def _spec(self) -> SamplingSpec:
         r = self.config.rollout

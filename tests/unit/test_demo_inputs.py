@@ -39,3 +39,21 @@ def test_demo_eval_files(cached_demo, given, expected):
 def test_explicit_empty_eval_files_through_an_override(cached_demo):
     config = prepare_demo(load_config(None, ["data.eval_files=[]"]))
     assert config.data.eval_files == [] and config.model.path == str(cached_demo / "model")
+
+
+def test_the_vision_demo_builds_either_family(tmp_path, monkeypatch):
+    """demo.vision_model picks the tiny model; each has its own cache entry, and a short warm-up through the run's own prompt and image path gives a model that transformers loads."""
+    import json
+
+    monkeypatch.setenv("YATT_RAY_CACHE", str(tmp_path))
+    llava = load_config("examples/configs/grpo_vision.yaml", ["demo.sft_steps=2"])
+    qwen = load_config(
+        "examples/configs/grpo_vision.yaml", ["demo.sft_steps=2", "demo.vision_model=qwen2_5_vl"]
+    )
+    assert demo_cache_dir(llava.demo) != demo_cache_dir(qwen.demo)
+    prepare_demo(qwen)
+    config = json.loads((demo_cache_dir(qwen.demo) / "model" / "config.json").read_text())
+    assert config["model_type"] == "qwen2_5_vl" and qwen.model.path.endswith("model")
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen.model.path)

@@ -382,3 +382,38 @@ def test_decode_runs_in_ray_data_tasks_on_parquet(ray_cluster, tmp_path):
     for r, data in zip(out[:3], good):
         assert r[ERROR] == "" and np.array_equal(r[PIXELS], pil_rgb(data)[None])
     assert "row 3 image 0" in out[3][ERROR] and out[3][PIXELS].shape == (0, 0, 0, 3)
+
+
+def _png(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_qwen_pixels_resize_into_the_limits_and_max_images_refuses_a_row(tmp_path):
+    """Qwen VL's processor in the Ray Data batch function: patch rows and grids per row, an image over
+    max_pixels resized down (aspect kept), one under min_pixels up, a row with more than max_images named."""
+    from yatt_ray.data.images import GRID, PIXELS, QwenPixels, decode_images_batch, pixels_processor
+    from yatt_ray.models.tiny_qwen_vl import build_image_processor
+
+    build_image_processor().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    assert isinstance(pixels_processor(str(tmp_path), max_pixels=112 * 112), QwenPixels)
+    cells = np.empty(4, dtype=object)
+    cells[0] = [{"bytes": _png(336, 224)}]  # 75,264 px: over max_pixels
+    cells[1] = [{"bytes": _png(20, 20)}]  # under min_pixels
+    cells[2] = [{"bytes": _png(56, 56)}, {"bytes": _png(56, 56, 1)}]  # two images: over max_images
+    cells[3] = None  # no image
+    batch = {"id": np.array([0, 1, 2, 3]), "images": cells}
+    qwen = QwenPixels(str(tmp_path), min_pixels=56 * 56, max_pixels=112 * 112)
+    out = decode_images_batch(batch, processor_fn=qwen, prompt_column=None, max_images=1)
+    ((t, h, w),) = out[GRID][0].tolist()
+    assert t == 1 and (h * 14) * (w * 14) <= 112 * 112 and w > h  # resized down, still wider than high
+    assert out[PIXELS][0].shape == (h * w, 1176)
+    assert out[GRID][1].tolist() == [[1, 4, 4]]  # up to 56 x 56: 4 tokens
+    assert "row 2 has 2 images, more than data.max_images=1" in out["image_error"][2]
+    assert out[PIXELS][2].shape[0] == 0 and out[GRID][2].shape == (0, 3)
+    assert out["image_error"][3] == "" and out[GRID][3].shape == (0, 3)
+    with pytest.raises(DataError, match="row 2 has 2 images"):
+        decode_images_batch(batch, processor_fn=qwen, prompt_column=None, max_images=1, on_bad_image="raise")

@@ -44,6 +44,8 @@ def demo_cache_dir(demo: DemoConfig) -> Path:
         **asdict(demo),
         **({"longtail_format": 2} if demo.task == "longtail" else {}),
     }  # bump "format" when the model or task code changes
+    if demo.vision_model == "llava":  # the default: the keys cached before the choice existed stay valid
+        recipe.pop("vision_model")
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"demo-{key}"
 

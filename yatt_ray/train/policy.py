@@ -265,7 +265,8 @@ class MegatronPolicy(MegatronTrainerBase):
             raise ValueError("image_features: this policy has no vision encoder (a text model)")
         images = PromptImages.of(pixels)
         tokens = _prompt_tokens(self.encoder, images)
-        features = _encode(self.encoder, images, self.device).float().cpu() if sum(tokens) else None
+        device = next(self.encoder.parameters()).device  # where it is now (host while offloaded for rollout)
+        features = _encode(self.encoder, images, device).float().cpu() if sum(tokens) else None
         width = int(self.encoder.config.text_config.hidden_size)
         if features is None:
             return [torch.zeros(0, width) for _ in pixels]
