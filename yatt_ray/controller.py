@@ -16,7 +16,6 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -24,25 +23,19 @@ import torch
 import torch.distributed as dist
 
 from yatt_ray.algos import (
-    ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     masked_whiten,
     tis_weights,
 )
-from yatt_ray.batch import RolloutBatch, pack, prompt_images
+from yatt_ray.batch import RolloutBatch
 from yatt_ray.checkpoint.training import Resumed
+from yatt_ray.collector import RolloutCollector
 from yatt_ray.config import Config
-from yatt_ray.data.images import ERROR as IMAGE_ERROR
-from yatt_ray.draws import Group, groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
-from yatt_ray.prompts import ImageLayout, PromptEncoder
-from yatt_ray.reward.rules import score_with_rule
-from yatt_ray.reward.scorer import Sample
 from yatt_ray.roles import Layout, Roles, build_roles, start_engine
-from yatt_ray.rollout.base import SamplingSpec
 from yatt_ray.step import compute_advantages, is_on_policy, policy_loss_fn, reduce_metrics, value_loss_fn
 from yatt_ray.train.micro_batches import mini_batch_rows
 
@@ -94,7 +87,6 @@ class GroupController:
             if a.kl_target is not None
             else FixedKLController(a.kl_coef)
         )  # every rank updates it from the same all-reduced KL, so all ranks agree
-        self.needs_greedy = ADVANTAGE_ESTIMATORS.get(a.estimator).needs_greedy_baseline
         offload = t.offload_during_rollout
         self.offload = torch.cuda.is_available() if offload is None else offload
         # how trainer passes split a batch; a prompt's samples are packed together (shared prompt)
@@ -109,26 +101,18 @@ class GroupController:
                 trainer.recorder = self.recorder
         self.memory: dict[str, float] = {}  # bytes released between phases this step (full coexistence)
         self.prompts_per_group = t.prompts_per_step // t.dp_size
-        # partial coexistence: each prompt's samples go to the GenRM as soon as they finish generating
-        self.stream_to_genrm = config.reward.mode != "rule" and config.placement.mode == "partial"
-        self.prompt_feed: Any = None  # set by open_checkpoints (controller ranks)
-        self.step_rows: list = []  # the prompt rows this step consumed (trained on, or dropped)
-        self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
         self.resumed: Resumed | None = None
-        self.engine: Any = None  # the rollout engine (controller ranks), attached later (`attach_engine`)
+        self.eval_shard = roles.eval_shard
+        # the rollout phase (controller ranks): feed, draws, engine, scorer, keep rate
+        self.collector: RolloutCollector | None = None
         if layout.is_controller:
-            scorer, tokenizer, reward_fn = roles.scorer, roles.tokenizer, roles.reward_fn
-            assert scorer is not None and tokenizer is not None and reward_fn is not None
-            self.engine = roles.engine
-            self.scorer, self.tokenizer, self.reward_fn = scorer, tokenizer, reward_fn
-            self.eval_shard = roles.eval_shard
-            self.stop_ids = tuple({self.tokenizer.eos_token_id} - {None})
-            images = ImageLayout.from_model_dir(config.model.path)  # None for a text policy
-            self.prompts = PromptEncoder(
-                tokenizer, config.data.max_prompt_tokens, images, system_prompt=config.data.system_prompt
-            )
-            pad = self.tokenizer.pad_token_id
-            self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))  # masked out
+            assert roles.scorer is not None and roles.tokenizer is not None and roles.reward_fn is not None
+            self.collector = RolloutCollector(
+                config, layout.dp_rank, layout.dp_size, scorer=roles.scorer, tokenizer=roles.tokenizer,
+                reward_fn=roles.reward_fn, timer=self.timer, recorder=self.recorder, dp_group=self.dp_group,
+                image_features=getattr(self.policy, "image_features", None),
+            )  # fmt: skip
+            self.collector.engine = roles.engine
 
     def open_checkpoints(self, loop_config: dict) -> None:
         """Resume from the newest valid checkpoint (or start fresh), then open the prompt streams there."""
@@ -138,12 +122,7 @@ class GroupController:
         control, rank0 = loop_config["control"], self.layout.rank == 0
         self.checkpoints = TrainingCheckpoints(self.config, self.layout, control, self.hub)
         self.state = TrainState(
-            self.policy,
-            self.critic,
-            feed=None,
-            kl_coef=lambda: self.kl_ctl.value,
-            keep_rate=lambda: self.keep_rate,
-            engine=self.engine if self.layout.is_controller else None,  # or set by `attach_engine`
+            self.policy, self.critic, kl_coef=lambda: self.kl_ctl.value, rollout=self.collector
         )
         self.attempt = self.checkpoints.attempt_number()
         self.resumed = self.checkpoints.resume(self.state, restart=self.attempt > 1)
@@ -156,26 +135,25 @@ class GroupController:
             dp = self.layout.dp_rank
             rest = [(e, rest_splits[dp]) for e, rest_splits in splits["rest"]]
             carried = position if dp == 0 else {}  # the checkpoint's union, kept by one group
-            self.prompt_feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
-            self.state.feed = self.prompt_feed
+            assert self.collector is not None
+            self.collector.feed = PromptFeed(splits["full"][dp], rest, self.prompts_per_group, epoch, carried)
 
     def apply_resumed(self, resumed: Resumed) -> None:
-        """The loop's own state from a checkpoint: the KL coefficient, and dynamic sampling's keep rate only
-        when dynamic sampling is on (else it would size every draw by a rate nothing updates)."""
+        """The loop's own state from a checkpoint: the KL coefficient, and the rollout phase's (`collector`)."""
         self.kl_ctl.value = resumed.kl_coef
-        if self.config.algo.dynamic_sampling != "off":  # draws as it did before the stop
-            self.keep_rate = resumed.keep_rate
+        if self.collector is not None:
+            self.collector.load_state_dict({"keep_rate": resumed.keep_rate})
 
     def attach_engine(self, engine) -> None:
         """The controller's rollout engine (None on other ranks), started once the prompt streams opened; a
         resumed run's policy weights and sampling stream go into it. Collective over the tensor-parallel group
         (the weight sync)."""
-        if engine is not None:
-            self.engine = self.state.engine = engine
+        if engine is not None and self.collector is not None:
+            self.collector.engine = engine
         if self.resumed is None:
             return
-        if self.engine is not None and self.resumed.engine_rng is not None:
-            self.engine.set_rng_state(self.resumed.engine_rng)  # samples as the uninterrupted run would
+        if engine is not None and self.resumed.engine_rng is not None:
+            engine.set_rng_state(self.resumed.engine_rng)  # samples as the uninterrupted run would
         self.sync_weights()  # the rollout engine generates with the restored policy
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -188,17 +166,18 @@ class GroupController:
         if first_eval:
             self._push("eval", {"step": 0, **first_eval})
             self._mark("first_eval_done")
-        if self.prompt_feed is not None:  # the stream read on while the engine loaded and the eval ran
-            self.prompt_feed.prime()
+        feed = None if self.collector is None else self.collector.feed
+        if feed is not None:  # the stream read on while the engine loaded and the eval ran
+            feed.prime()
             self._mark("first_batch")
         last: dict[str, float] = {}
         for step in range(start + 1, cfg.train.steps + 1):
             last = self.step(step)
-            if step == start + 1 and self.prompt_feed is not None:
+            if step == start + 1 and feed is not None:
                 self._mark("first_step_done")
             self._push("train", {**last, **self.checkpoints.metrics()})
-            if self.layout.is_controller:
-                rows = self.step_rows
+            if self.collector is not None:
+                rows = self.collector.step_rows
                 self.checkpoints.log_prompts(
                     step, self.attempt, [r.id for r in rows], [r.epoch for r in rows]
                 )
@@ -220,7 +199,7 @@ class GroupController:
         if self.offload:
             with timer.phase("offload"):
                 self._move_trainers("offload")
-        scored = self._collect(step) if self.layout.is_controller else None
+        scored = self._collect(step) if self.collector is not None else None
         if not self.layout.is_controller:  # the group's controller generates; this rank waits for its batch
             with timer.phase("rollout", busy=False), timer.phase("reward", busy=False):
                 pass
@@ -253,6 +232,16 @@ class GroupController:
             self.kl_ctl.update(metrics["kl_per_sequence"], n_steps=int(metrics["samples"]))
         self._push_spans()
         return metrics
+
+    def _collect(self, step: int) -> RolloutBatch:
+        """The collector's scored batch; in full coexistence the engine then sleeps, its memory going to the
+        trainer while it trains (the bytes freed join the batch's counters)."""
+        assert self.collector is not None
+        batch = self.collector.collect(step)
+        if self.offload:
+            self._count_freed("rollout_released", self.collector.engine.sleep())
+        batch.counters.update(self.memory)
+        return batch
 
     def _balance(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any, dict[str, float]]:
         """`train.balance`: (the batch this rank trains, a function bringing a per-row [N, R] tensor of it back
@@ -307,233 +296,6 @@ class GroupController:
         """False during the critic's warm-up steps, when only the value model trains."""
         return step > self.config.critic.warmup_steps
 
-    # ---- the rollout phase: draws, abort, dynamic sampling (pure pieces in yatt_ray.draws) ------------------
-    def _collect(self, step: int) -> RolloutBatch:
-        """Draw, generate and score until the group holds its share of prompt groups; the scored batch.
-
-        Every draw starts `ceil(rollout.over_sample x target)` prompts (queue first, then the stream), where
-        `target` is what it still needs over the recent keep rate of dynamic sampling (1 without it); the
-        engine aborts the rest once `target` have finished. Finished groups are taken in finish order; with
-        `algo.dynamic_sampling`, groups whose samples all score the same are dropped (consumed) and more are
-        taken (first the ones that finished past the need, then a new draw), at most `algo.max_draws` draws;
-        then the batch is topped up with dropped groups. What finished but was not taken, and what was
-        aborted, goes back to the queue unconsumed. Collective over the controllers (`_lockstep`): every group
-        reads its stream in lockstep (see `yatt_ray.data.feed`).
-        """
-        cfg, feed, share = self.config, self.prompt_feed, self.prompts_per_group
-        dynamic = cfg.algo.dynamic_sampling
-        max_draws = cfg.algo.max_draws if dynamic != "off" else 1
-        kept: list[Group] = []
-        dropped: list[Group] = []
-        spare: list[Group] = []  # finished past the need: taken first by the next round
-        self.step_rows = []
-        counts = {"draws": 0, "requeued": 0, "aborted": 0}
-        self.engine.wake()
-        while True:
-            need = share - len(kept)
-            if spare and need > 0:
-                taken, spare = spare[:need], spare[need:]
-                self._take(taken, kept, dropped)
-                continue
-            need = need if counts["draws"] < max_draws else 0
-            target = groups_to_finish(need, self.keep_rate)
-            want = prompts_to_start(target, cfg.rollout.over_sample)
-            if not self._lockstep(feed, want, need):
-                break
-            if need == 0:
-                continue  # this group is full; it reads its stream with the others
-            counts["draws"] += 1
-            rows = feed.pop(want)
-            with self.timer.phase("rollout"):
-                spare, aborted = self._generate(step, counts["draws"], rows, target)
-            if aborted:  # the long tail: stopped in the engine, back to the front of the queue unconsumed
-                with self.recorder.span("aborted", busy=False):
-                    feed.requeue(aborted)
-            counts["aborted"] += len(aborted)
-        self.scorer.discard([s for g in spare for s in g.samples])  # streamed to the GenRM, never scored
-        back = [g.row for g in spare]
-        if back:  # finished, but not needed this step: back to the queue too
-            with self.recorder.span("requeue", busy=False):
-                feed.requeue(back)
-        counts["requeued"] += counts["aborted"] + len(back)
-        informative = len(kept)
-        if dynamic != "off" and kept + dropped:  # sizes the next step's draws (an EMA over steps)
-            self.keep_rate = 0.5 * self.keep_rate + 0.5 * len(kept) / len(kept + dropped)
-        if informative < share:
-            log.warning(
-                "dynamic sampling: %d of %d prompt groups varied after algo.max_draws=%d draws; topping the batch "
-                "up with %d uniform groups (raise algo.max_draws, or check the reward)",
-                informative, share, max_draws, share - informative,
-            )  # fmt: skip
-        groups = top_up(kept, dropped, share)
-        bad_images = self._drain_rejected(feed)
-        greedy = self._greedy_baseline(step, groups) if self.needs_greedy else None
-        if self.offload:  # full coexistence: the engine's memory goes to the trainer while it trains
-            self._count_freed("rollout_released", self.engine.sleep())
-        batch = self._pack(groups)
-        batch.greedy_rewards = greedy
-        batch.counters = {
-            **self.scorer.take_stats(),
-            **self.memory,
-            "rollout/aborted_prompts": float(counts["aborted"]),  # stopped in the engine
-            "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished but not needed
-            "data/queued_prompts": float(len(feed.queue)),
-            **({"data/bad_images": float(bad_images)} if self.prompts.layout is not None else {}),
-        }
-        if dynamic != "off":
-            batch.counters.update({
-                "dynamic/draws": float(counts["draws"]),
-                "dynamic/drawn_groups": float(len(kept) + len(dropped)),
-                "dynamic/dropped_groups": float(len(dropped)),
-                "dynamic/batch_full": float(informative >= share),
-            })  # fmt: skip
-        return batch
-
-    def _drain_rejected(self, feed) -> int:
-        """Rows whose images did not load (data.on_bad_image=skip), consumed by the feed as it read them: logged
-        with their ids, recorded as this step's, counted (the `data/bad_images` metric)."""
-        rows, feed.rejected = feed.rejected, []
-        for r in rows:
-            log.warning("prompt id %r skipped: %s", r.id, r.row[IMAGE_ERROR])
-        self.step_rows += rows
-        return len(rows)
-
-    def _take(self, groups: list[Group], kept: list[Group], dropped: list[Group]) -> None:
-        """Score `groups`, consume their prompts, and keep the informative ones (all without dynamic sampling)."""
-        dynamic = self.config.algo.dynamic_sampling
-        with self.timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
-            self._score_groups(groups)
-        self.prompt_feed.consume([g.row for g in groups])
-        self.step_rows += [g.row for g in groups]
-        for g in groups:
-            (kept if dynamic == "off" or is_informative(g.rewards, dynamic) else dropped).append(g)
-
-    def _lockstep(self, feed, want: int, need: int) -> bool:
-        """Every controller reads the same number of rows from its stream (the most any needs beyond its queue)
-        and learns whether any group still needs prompts; collective over the controllers."""
-        while True:  # more than one round only where a resumed epoch reads past consumed rows
-            wanted = torch.tensor([max(want - len(feed.queue), 0), need], dtype=torch.float64)
-            if self.layout.dp_size > 1:
-                dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.dp_group)
-            if wanted[0].item() == 0:
-                return wanted[1].item() > 0
-            feed.pull(int(wanted[0].item()))
-
-    def _generate(self, step: int, draw: int, rows: list, need: int) -> tuple[list[Group], list]:
-        """Start `rows`; the engine aborts the rest once `need` have finished, and the prompts aborted
-        `rollout.max_aborts` times already (those are waited for). (finished groups, pinned first then in finish
-        order; aborted rows). In partial coexistence the first `need` stream to the GenRM as they finish."""
-        cfg = self.config
-        encoded = [self.prompts.encode(r.row) for r in rows]
-        spec = self._spec()
-        order: list[int] = []
-        streamed: set[int] = set()
-
-        def samples_of(i: int, completions: list) -> list[Sample]:
-            row = rows[i].row
-            return [
-                Sample(
-                    key=f"{step}/{self.layout.dp_rank}/{draw}/{i * spec.n + j}",
-                    prompt=encoded[i].text,
-                    response=self._decode(c.token_ids),
-                    ground_truth=str(row["ground_truth"]),
-                    data_source=str(row["data_source"]),
-                )
-                for j, c in enumerate(completions)
-            ]
-
-        def finished(i: int, completions: list) -> None:
-            order.append(i)
-            if self.stream_to_genrm and (len(order) <= need or i in pinned):
-                streamed.add(i)
-                self.scorer.submit(samples_of(i, completions))
-
-        limit = cfg.rollout.max_aborts
-        pinned = frozenset(
-            i for i, r in enumerate(rows) if limit is not None and r.aborts >= limit
-        )  # waited for
-        abort = need < len(rows)
-        callback = abort or self.stream_to_genrm
-        completions = self.engine.generate(
-            [e.ids for e in encoded],
-            spec,
-            on_finished=finished if callback else None,
-            finish_after=need if abort else None,
-            wait_for=pinned if abort else frozenset(),
-            **self._images(encoded),
-        )
-        done, aborted = split_finished(order if callback else list(range(len(rows))), len(rows), pinned)
-        groups = [
-            Group(rows[i], encoded[i].ids, encoded[i].clipped, completions[i], samples_of(i, completions[i]),
-                  streamed=i in streamed, pixels=encoded[i].pixels)
-            for i in done
-        ]  # fmt: skip
-        return groups, [rows[i] for i in aborted]
-
-    def _score_groups(self, groups: list[Group]) -> None:
-        """Rewards of every sample: rules here, GenRM verdicts from the Serve deployment (already judging the
-        streamed samples in partial coexistence)."""
-        samples = [s for g in groups for s in g.samples]
-        self.scorer.submit([s for g in groups if not g.streamed for s in g.samples])
-        scores = iter(self.scorer.scores(samples))
-        for g in groups:
-            g.rewards = [next(scores) for _ in g.samples]
-
-    def _greedy_baseline(self, step: int, groups: list[Group]) -> torch.Tensor:
-        """ReMax's baseline: the reward of one greedy response per prompt, [len(groups)]."""
-        with self.timer.phase("rollout"):
-            outs = self.engine.generate(
-                [g.prompt_ids for g in groups],
-                replace(self._spec(), n=1, temperature=0.0),
-                **self._images(groups),
-            )
-        samples = [
-            replace(
-                g.samples[0],
-                key=f"{step}/{self.layout.dp_rank}/g{i}",
-                response=self._decode(out[0].token_ids),
-            )
-            for i, (g, out) in enumerate(zip(groups, outs))
-        ]
-        with self.timer.phase("reward", busy=False):
-            self.scorer.submit(samples)
-            return torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
-
-    def _images(self, prompts: list) -> dict[str, Any]:
-        """The engine's `images` keyword for `prompts` (each with `.pixels`): {} for a text policy. An engine
-        that takes image features (vLLM) gets the policy's own, computed here once a prompt."""
-        if self.prompts.layout is None:
-            return {}
-        pixels = [p.pixels for p in prompts]
-        if getattr(self.engine, "takes_image_features", False):
-            features = self.policy.image_features(pixels)
-            pixels = [replace(p, features=f) for p, f in zip(pixels, features)]
-        return {"images": pixels}
-
-    def _spec(self) -> SamplingSpec:
-        r = self.config.rollout
-        return SamplingSpec(
-            n=r.n,
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            stop_token_ids=self.stop_ids,
-            ignore_eos=r.ignore_eos,
-        )
-
-    def _pack(self, groups: list[Group]) -> RolloutBatch:
-        """The padded batch of the groups' samples, with their rewards."""
-        n = self.config.rollout.n
-        flat = [c for g in groups for c in g.completions]
-        prompts = [g.prompt_ids for g in groups for _ in range(n)]
-        batch = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat], self.pad_id, n)
-        batch.rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-        if self.prompts.layout is not None:
-            batch.images, batch.image_prompt = prompt_images([g.pixels for g in groups], n)
-        batch.truncated = sum(c.finish_reason == "length" for c in flat)
-        batch.prompts_clipped = sum(g.clipped for g in groups)
-        return batch
-
     def _old_log_probs_and_values(self, batch: RolloutBatch, step: int) -> None:
         """old_logp, ref_logp, values and truncated-IS weights, each [N, R] over the response tokens.
         On-policy (`step.is_on_policy`) old_logp and the IS weights come out of the training forward (when the
@@ -587,9 +349,6 @@ class GroupController:
         stats.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
         return stats
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
     # ---- collectives ------------------------------------------------------------------------------
     def _broadcast_in_group(self, batch: RolloutBatch | None) -> RolloutBatch:
         if self.layout.tp_size > 1:
@@ -607,11 +366,12 @@ class GroupController:
     def sync_weights(self) -> None:
         """Trainer -> engine, in buckets, in this process; non-controller ranks join the TP gather only."""
         bucket_bytes = self.config.rollout.weight_sync_bucket_mb * 2**20
+        engine = None if self.collector is None else self.collector.engine
         for bucket in self.policy.iter_hf_buckets(bucket_bytes):
-            if self.layout.is_controller:
-                self.engine.load_weights(bucket)
-        if self.layout.is_controller:
-            self.engine.finish_weight_sync()
+            if engine is not None:
+                engine.load_weights(bucket)
+        if engine is not None:
+            engine.finish_weight_sync()
 
     # ---- evaluation and reporting -------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -622,28 +382,10 @@ class GroupController:
         sums = torch.zeros(3, dtype=torch.float64)  # reward sum, correct count, sample count
         if self.offload:
             self._move_trainers("offload")
-        if self.layout.is_controller and self.eval_shard is not None:
-            spec = SamplingSpec(
-                n=1,
-                max_new_tokens=self.config.rollout.max_new_tokens,
-                temperature=0.0,
-                stop_token_ids=self.stop_ids,
-            )
-            self.engine.wake()
-            for batch in self.eval_shard.batches():  # this group's share, read here (data/eval_rows.py)
-                rows = [{c: v[i] for c, v in batch.items()} for i in range(len(batch["prompt"]))]
-                rows = [r for r in rows if not r.get(IMAGE_ERROR)]  # images that did not load: not scored
-                encoded = [self.prompts.encode(r) for r in rows]
-                outs = self.engine.generate([e.ids for e in encoded], spec, **self._images(encoded))
-                items = [
-                    (self._decode(group[0].token_ids), str(r["ground_truth"]), str(r["data_source"]))
-                    for group, r in zip(outs, rows)
-                ]
-                r = self.config.reward
-                for reward in score_with_rule(self.reward_fn, items, r.function, r.on_error):
-                    sums += torch.tensor([reward, float(reward >= 1.0), 1.0], dtype=torch.float64)
+        if self.collector is not None and self.eval_shard is not None:
+            sums = self.collector.evaluate(self.eval_shard)
             if self.offload:
-                self.engine.sleep()
+                self.collector.engine.sleep()
         if self.offload:
             self._move_trainers("onload")
         dist.all_reduce(sums)

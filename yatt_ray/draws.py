@@ -10,7 +10,7 @@ advantage is 0), so it is dropped (consumed) and the controller draws again, at 
 step. A prompt aborted `rollout.max_aborts` times is not aborted again: the engine waits for it before it
 aborts the others (that step pays its tail), so no prompt waits in the queue for ever. Where a prompt's
 length is fixed (every sample as long), that bounds what over-sampling can save: in steady state a step
-keeps waiting for some long prompt; where lengths vary from sample to sample, a restart often finishes early. The pure pieces live here; the controller (`GroupController._collect`) drives the engine, the scorer
+keeps waiting for some long prompt; where lengths vary from sample to sample, a restart often finishes early. The pure pieces live here; the collector (`collector.RolloutCollector`) drives the engine, the scorer
 and the feed.
 """
 

@@ -33,7 +33,7 @@ def test_workers_neither_resume_nor_save_but_still_stop(tmp_path, single_process
     checkpoints = TrainingCheckpoints(config, layout, control=None, hub=None)
     requests = iter([None, "SIGTERM"])
     checkpoints._stop_requested = lambda: next(requests)  # type: ignore[method-assign]
-    state = TrainState(policy=None, critic=None, feed=None, kl_coef=lambda: 0.0)
+    state = TrainState(policy=None, critic=None, kl_coef=lambda: 0.0)
     assert checkpoints.resume(state) is None
     assert checkpoints.after_step(1, state) is False
     assert checkpoints.after_step(2, state) is True and checkpoints.stop_reason == "SIGTERM"

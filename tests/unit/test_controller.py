@@ -140,7 +140,7 @@ def controller(answers=None, **overrides) -> tuple[GroupController, list, FakePo
         "ground_truth": answers or ["3", "4"] * 8,
         "data_source": ["t"] * 16,
     }
-    ctrl.prompt_feed = PromptFeed(Shard(rows), None, batch_size=4)
+    ctrl.collector.feed = PromptFeed(Shard(rows), None, batch_size=4)
     return ctrl, log, policy, engine, link
 
 
@@ -159,7 +159,7 @@ def test_one_step_runs_the_phases_in_order_and_reduces_the_metrics(single_proces
     # engine -0.5 per token against the trainer's -1: |diff| 0.5; k3 KL of old -1 vs ref -1.1 per token
     assert metrics["rollout_logp_diff"] == pytest.approx(0.5)  # the training forward's log-probs, recorded
     assert metrics["kl"] == pytest.approx(float(torch.exp(torch.tensor(-0.1)) - 1 + 0.1), rel=1e-5)
-    assert ctrl.prompt_feed.consumed == {0: [0, 1, 2, 3]}
+    assert ctrl.collector.feed.consumed == {0: [0, 1, 2, 3]}
 
 
 def test_each_phase_adds_its_batch_fields(single_process_world):
@@ -193,8 +193,8 @@ def test_dynamic_sampling_draws_again_for_the_groups_it_drops(single_process_wor
     ctrl, log, policy, _, link = controller(answers, **{"algo.dynamic_sampling": "reward"})
     metrics = ctrl.step(1)
     assert log.count("generate") == 2  # 4 prompts, then 2 more for the 2 dropped
-    assert [r.id for r in ctrl.step_rows] == [0, 1, 2, 3, 4, 5]  # dropped ones count as consumed
-    assert ctrl.prompt_feed.consumed == {0: [0, 1, 2, 3, 4, 5]}
+    assert [r.id for r in ctrl.collector.step_rows] == [0, 1, 2, 3, 4, 5]  # dropped ones count as consumed
+    assert ctrl.collector.feed.consumed == {0: [0, 1, 2, 3, 4, 5]}
     assert policy.batches[0]["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]  # 0, 3, 4, 5
     assert metrics["dynamic/draws"] == 2 and metrics["dynamic/dropped_groups"] == 2
     assert metrics["dynamic/drawn_groups"] == 6 and metrics["dynamic/batch_full"] == 1.0
@@ -209,21 +209,63 @@ def test_dynamic_sampling_tops_up_when_the_draws_run_out(single_process_world, c
     assert log.count("generate") == 2 and "topping the batch up" in caplog.text
     assert len(policy.batches[0]["rewards"]) == 8  # a full batch of (uniform) groups
     assert metrics["dynamic/batch_full"] == 0.0 and metrics["dynamic/dropped_groups"] == 8
-    assert sorted(ctrl.prompt_feed.consumed[0]) == list(range(8))
+    assert sorted(ctrl.collector.feed.consumed[0]) == list(range(8))
 
 
 def test_over_sampling_aborts_the_slowest_and_serves_them_first_next_step(single_process_world):
     ctrl, log, policy, _, _ = controller(**{"rollout.over_sample": 1.5, "rollout.max_aborts": 2})
     metrics = ctrl.step(1)  # starts 6 prompts (ids 0-5); 5, 4, 3, 2 finish first; 0 and 1 are aborted
-    assert sorted(r.id for r in ctrl.step_rows) == [2, 3, 4, 5]
-    assert ctrl.prompt_feed.consumed == {0: [5, 4, 3, 2]} and [r.id for r in ctrl.prompt_feed.queue] == [0, 1]
+    assert sorted(r.id for r in ctrl.collector.step_rows) == [2, 3, 4, 5]
+    assert ctrl.collector.feed.consumed == {0: [5, 4, 3, 2]} and [
+        r.id for r in ctrl.collector.feed.queue
+    ] == [0, 1]
     assert metrics["rollout/requeued_prompts"] == 2 and metrics["data/queued_prompts"] == 2
     assert metrics["rollout/aborted_prompts"] == 2
     assert len(policy.batches[0]["rewards"]) == 8  # exactly the share trained
     ctrl.step(2)  # starts 0, 1 (queued) and 6-9; keeps 9, 8, 7, 6; 0 and 1 go back again
-    assert sorted(r.id for r in ctrl.step_rows) == [6, 7, 8, 9] and [
-        r.id for r in ctrl.prompt_feed.queue
+    assert sorted(r.id for r in ctrl.collector.step_rows) == [6, 7, 8, 9] and [
+        r.id for r in ctrl.collector.feed.queue
     ] == [0, 1]
     ctrl.step(3)  # aborted twice: 0 and 1 are waited for and kept, with the first two others to finish
-    assert sorted(r.id for r in ctrl.step_rows) == [0, 1, 12, 13]
-    assert [r.id for r in ctrl.prompt_feed.queue] == [11, 10] and log.count("generate") == 3  # finish order
+    assert sorted(r.id for r in ctrl.collector.step_rows) == [0, 1, 12, 13]
+    assert [r.id for r in ctrl.collector.feed.queue] == [11, 10] and log.count(
+        "generate"
+    ) == 3  # finish order
+
+
+def test_the_collector_alone_draws_scores_packs_and_keeps_its_state():
+    """`RolloutCollector` without a controller, a trainer or a process group: one step's scored batch, the
+    prompts it consumed, dynamic sampling's keep rate, and that rate through state_dict / load_state_dict."""
+    from yatt_ray.collector import RolloutCollector
+    from yatt_ray.metrics.timeline import SpanRecorder
+    from yatt_ray.metrics.timers import PhaseTimer
+
+    answers = ["3", "5", "5", "4"] + ["3", "4"] * 6  # prompts 1 and 2 score 0 on both samples: dropped
+    config = load_config(
+        None, ["train.prompts_per_step=4", f"rollout.n={N_SAMPLES}", "algo.dynamic_sampling=reward"]
+    )
+    tokenizer, log = build_tokenizer(), []
+    recorder = SpanRecorder("trainer", "rank0", "cpu")
+    collector = RolloutCollector(
+        config, 0, 1, scorer=RewardScorer(config.reward, connect_timeout_s=5), tokenizer=tokenizer,
+        reward_fn=exact_match, timer=PhaseTimer(recorder=recorder), recorder=recorder,
+    )  # fmt: skip
+    collector.engine = FakeEngine(tokenizer, log)
+    rows = {
+        "id": list(range(16)),
+        "prompt": ["1+2="] * 16,
+        "ground_truth": answers,
+        "data_source": ["t"] * 16,
+    }
+    collector.feed = PromptFeed(Shard(rows), None, batch_size=4)
+    batch = collector.collect(1)
+    assert batch.size == 4 * N_SAMPLES and batch.rewards.tolist() == [1.0, 0.0, 0.0, 1.0] * 2
+    assert [r.id for r in collector.step_rows] == [0, 1, 2, 3, 4, 5] and log.count("generate") == 2
+    assert batch.counters["dynamic/dropped_groups"] == 2.0
+    assert collector.keep_rate == pytest.approx(0.5 + 0.5 * 4 / 6)
+    other = RolloutCollector(
+        config, 0, 1, scorer=None, tokenizer=tokenizer, reward_fn=exact_match, timer=PhaseTimer(),
+        recorder=recorder,
+    )  # fmt: skip
+    other.load_state_dict(collector.state_dict())
+    assert other.keep_rate == collector.keep_rate

@@ -105,19 +105,16 @@ def rank_url(root: str, rank: int) -> str:
 class TrainState:
     """What one worker's checkpoint holds of its training, and where a resume puts it back.
 
-    `policy` / `critic`: `MegatronTrainerBase` (model and optimizer); `feed`: the controller's `PromptFeed`
-    (None on other ranks; its consumed ids by epoch are the data position); `kl_coef`: the KL coefficient now
-    (read at each save); `keep_rate`: dynamic sampling's estimate of the share of drawn groups kept (the
-    controller's; a run saves the mean over its controllers); `engine`: the rollout engine (controller ranks),
-    whose own sampling stream goes into this rank's RNG entry, so a resumed run samples what the uninterrupted
-    one would have."""
+    `policy` / `critic`: `MegatronTrainerBase` (model and optimizer); `kl_coef`: the KL coefficient now (read
+    at each save); `rollout`: the controller's `RolloutCollector` (None on other ranks), read at each save: its
+    feed's consumed ids by epoch are the data position, its `state_dict()` holds dynamic sampling's keep rate
+    (a run saves the mean over its controllers), and its engine's own sampling stream goes into this rank's
+    RNG entry, so a resumed run samples what the uninterrupted one would have."""
 
     policy: Any
     critic: Any | None
-    feed: Any | None
     kl_coef: Callable[[], float]
-    keep_rate: Callable[[], float] = lambda: 1.0
-    engine: Any | None = None  # the controller's rollout engine: its sampling stream is saved with the RNGs
+    rollout: Any | None = None
 
 
 @dataclass
@@ -446,13 +443,16 @@ class TrainingCheckpoints:
             self._exchange(step, poll=False)
 
     def _payload(self, step: int, state: TrainState) -> dict[str, Any]:
-        feed = state.feed
-        mine = (feed.open_epoch(), feed.position(0), state.keep_rate()) if feed is not None else None
+        rollout = state.rollout
+        feed = None if rollout is None else rollout.feed
+        mine = None
+        if rollout is not None and feed is not None:
+            mine = (feed.open_epoch(), feed.position(0), rollout.state_dict()["keep_rate"])
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         payload: dict[str, Any] = {"rng": rng_state()}
-        if state.engine is not None:
-            payload["rng"]["rollout"] = state.engine.rng_state()
+        if rollout is not None and rollout.engine is not None:
+            payload["rng"]["rollout"] = rollout.engine.rng_state()
         for name, trainer in (("policy", state.policy), ("critic", state.critic)):
             if trainer is None:
                 continue

@@ -1,0 +1,346 @@
+"""`RolloutCollector`: the rollout phase of one data-parallel group, owned by its controller.
+
+It holds what the phase needs and nothing of training: the prompt feed (the group's stream, queue and data
+position), the prompt encoder, the rollout engine, the scorer, and dynamic sampling's keep rate. One call a
+step, `collect(step) -> RolloutBatch`: draw prompts, generate (over-sampling and abort of the long tail),
+score, filter (dynamic sampling), and pack the kept groups into the scored batch the trainer phases read.
+`evaluate()` scores this group's share of the eval set greedily. `state_dict()` / `load_state_dict()` carry
+the phase's own state across a checkpoint (the keep rate; the feed's position and the engine's sampling
+stream are read by the checkpoint at each save).
+
+The decisions are pure functions in `yatt_ray.draws`; the collector drives the engine, the scorer and the
+feed. It runs without a cluster given an engine, a scorer and a feed (tests/unit/test_controller.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from yatt_ray.algos import ADVANTAGE_ESTIMATORS
+from yatt_ray.batch import Pixels, RolloutBatch, pack, prompt_images
+from yatt_ray.config import Config
+from yatt_ray.data.images import ERROR as IMAGE_ERROR
+from yatt_ray.draws import Group, groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
+from yatt_ray.metrics.timeline import SpanRecorder
+from yatt_ray.metrics.timers import PhaseTimer
+from yatt_ray.prompts import ImageLayout, PromptEncoder
+from yatt_ray.reward.rules import score_with_rule
+from yatt_ray.reward.scorer import Sample
+from yatt_ray.rollout.base import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+ImageFeatures = Callable[[list[Pixels]], list[torch.Tensor]]  # the policy's `image_features`
+
+
+class RolloutCollector:
+    """The rollout phase of data-parallel group `dp_rank` (module docstring).
+
+    `feed` (a `PromptFeed`) and `engine` are set when they exist (the feed once the checkpoint's data position
+    is known, the engine once started); `image_features` gives an engine that takes features (vLLM) the
+    policy's own; `dp_group` is the controllers' process group (reads are in lockstep over it).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        dp_rank: int,
+        dp_size: int,
+        *,
+        scorer: Any,
+        tokenizer: Any,
+        reward_fn: Callable,
+        timer: PhaseTimer,
+        recorder: SpanRecorder,
+        dp_group: Any = None,
+        image_features: ImageFeatures | None = None,
+    ) -> None:
+        self.config, self.dp_rank, self.dp_size, self.dp_group = config, dp_rank, dp_size, dp_group
+        self.scorer, self.tokenizer, self.reward_fn = scorer, tokenizer, reward_fn
+        self.timer, self.recorder, self.image_features = timer, recorder, image_features
+        self.share = config.train.prompts_per_step // dp_size  # prompt groups a step
+        self.needs_greedy = ADVANTAGE_ESTIMATORS.get(config.algo.estimator).needs_greedy_baseline  # ReMax
+        self.feed: Any = None
+        self.engine: Any = None
+        self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
+        self.step_rows: list = []  # the prompt rows the latest step consumed (trained on, or dropped)
+        self.stop_ids = tuple({tokenizer.eos_token_id} - {None})
+        layout = ImageLayout.from_model_dir(config.model.path)  # None for a text policy
+        self.prompts = PromptEncoder(
+            tokenizer, config.data.max_prompt_tokens, layout, system_prompt=config.data.system_prompt
+        )
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))  # masked out
+
+    # ---- state across checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, float]:
+        return {"keep_rate": self.keep_rate}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Dynamic sampling's keep rate only when dynamic sampling is on (else it would size every draw by a
+        rate nothing updates)."""
+        if self.config.algo.dynamic_sampling != "off":  # draws as it did before the stop
+            self.keep_rate = float(state.get("keep_rate", 1.0))
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def collect(self, step: int) -> RolloutBatch:
+        """Draw, generate and score until the group holds its share of prompt groups; the scored batch.
+
+        Every draw starts `ceil(rollout.over_sample x target)` prompts (queue first, then the stream), where
+        `target` is what it still needs over the recent keep rate of dynamic sampling (1 without it); the
+        engine aborts the rest once `target` have finished. Finished groups are taken in finish order; with
+        `algo.dynamic_sampling`, groups whose samples all score the same are dropped (consumed) and more are
+        taken (first the ones that finished past the need, then a new draw), at most `algo.max_draws` draws;
+        then the batch is topped up with dropped groups. What finished but was not taken, and what was
+        aborted, goes back to the queue unconsumed. Collective over the controllers (`_lockstep`): every group
+        reads its stream in lockstep (see `yatt_ray.data.feed`).
+        """
+        dynamic = self.config.algo.dynamic_sampling
+        kept, dropped, spare, counts = self._draw_until_full(step)
+        self.scorer.discard([s for g in spare for s in g.samples])  # streamed to the GenRM, never scored
+        back = [g.row for g in spare]
+        if back:  # finished, but not needed this step: back to the queue too
+            with self.recorder.span("requeue", busy=False):
+                self.feed.requeue(back)
+        counts["requeued"] += counts["aborted"] + len(back)
+        if dynamic != "off" and kept + dropped:  # sizes the next step's draws (an EMA over steps)
+            self.keep_rate = 0.5 * self.keep_rate + 0.5 * len(kept) / len(kept + dropped)
+        if len(kept) < self.share:
+            log.warning(
+                "dynamic sampling: %d of %d prompt groups varied after algo.max_draws=%d draws; topping the batch "
+                "up with %d uniform groups (raise algo.max_draws, or check the reward)",
+                len(kept), self.share, self.config.algo.max_draws, self.share - len(kept),
+            )  # fmt: skip
+        groups = top_up(kept, dropped, self.share)
+        bad_images = self._drain_rejected()
+        greedy = self._greedy_baseline(step, groups) if self.needs_greedy else None
+        batch = self._pack(groups)
+        batch.greedy_rewards = greedy
+        batch.counters = {
+            **self.scorer.take_stats(),
+            "rollout/aborted_prompts": float(counts["aborted"]),  # stopped in the engine
+            "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished but not needed
+            "data/queued_prompts": float(len(self.feed.queue)),
+            **({"data/bad_images": float(bad_images)} if self.prompts.layout is not None else {}),
+        }
+        if dynamic != "off":
+            batch.counters.update({
+                "dynamic/draws": float(counts["draws"]),
+                "dynamic/drawn_groups": float(len(kept) + len(dropped)),
+                "dynamic/dropped_groups": float(len(dropped)),
+                "dynamic/batch_full": float(len(kept) >= self.share),
+            })  # fmt: skip
+        return batch
+
+    def _draw_until_full(self, step: int) -> tuple[list[Group], list[Group], list[Group], dict[str, int]]:
+        """The draws of one step: (kept, dropped, spare: finished past the need, counts)."""
+        dynamic = self.config.algo.dynamic_sampling
+        max_draws = self.config.algo.max_draws if dynamic != "off" else 1
+        kept: list[Group] = []
+        dropped: list[Group] = []
+        spare: list[Group] = []  # finished past the need: taken first by the next round
+        self.step_rows = []
+        counts = {"draws": 0, "requeued": 0, "aborted": 0}
+        self.engine.wake()
+        while True:
+            need = self.share - len(kept)
+            if spare and need > 0:
+                taken, spare = spare[:need], spare[need:]
+                self._take(taken, kept, dropped)
+                continue
+            need = need if counts["draws"] < max_draws else 0
+            target = groups_to_finish(need, self.keep_rate)
+            want = prompts_to_start(target, self.config.rollout.over_sample)
+            if not self._lockstep(want, need):
+                return kept, dropped, spare, counts
+            if need == 0:
+                continue  # this group is full; it reads its stream with the others
+            counts["draws"] += 1
+            rows = self.feed.pop(want)
+            with self.timer.phase("rollout"):
+                spare, aborted = self._generate(step, counts["draws"], rows, target)
+            if aborted:  # the long tail: stopped in the engine, back to the front of the queue unconsumed
+                with self.recorder.span("aborted", busy=False):
+                    self.feed.requeue(aborted)
+            counts["aborted"] += len(aborted)
+
+    def _drain_rejected(self) -> int:
+        """Rows whose images did not load (data.on_bad_image=skip), consumed by the feed as it read them: logged
+        with their ids, recorded as this step's, counted (the `data/bad_images` metric)."""
+        rows, self.feed.rejected = self.feed.rejected, []
+        for r in rows:
+            log.warning("prompt id %r skipped: %s", r.id, r.row[IMAGE_ERROR])
+        self.step_rows += rows
+        return len(rows)
+
+    def _take(self, groups: list[Group], kept: list[Group], dropped: list[Group]) -> None:
+        """Score `groups`, consume their prompts, and keep the informative ones (all without dynamic sampling)."""
+        dynamic = self.config.algo.dynamic_sampling
+        with self.timer.phase("reward", busy=False):  # rules run on the host; GenRM on its replicas
+            self._score_groups(groups)
+        self.feed.consume([g.row for g in groups])
+        self.step_rows += [g.row for g in groups]
+        for g in groups:
+            (kept if dynamic == "off" or is_informative(g.rewards, dynamic) else dropped).append(g)
+
+    def _lockstep(self, want: int, need: int) -> bool:
+        """Every controller reads the same number of rows from its stream (the most any needs beyond its queue)
+        and learns whether any group still needs prompts; collective over the controllers."""
+        while True:  # more than one round only where a resumed epoch reads past consumed rows
+            wanted = torch.tensor([max(want - len(self.feed.queue), 0), need], dtype=torch.float64)
+            if self.dp_size > 1:
+                dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.dp_group)
+            if wanted[0].item() == 0:
+                return wanted[1].item() > 0
+            self.feed.pull(int(wanted[0].item()))
+
+    def _generate(self, step: int, draw: int, rows: list, need: int) -> tuple[list[Group], list]:
+        """Start `rows`; the engine aborts the rest once `need` have finished, and the prompts aborted
+        `rollout.max_aborts` times already (those are waited for). (finished groups, pinned first then in finish
+        order; aborted rows). In partial coexistence the first `need` stream to the GenRM as they finish."""
+        cfg = self.config
+        stream_to_genrm = cfg.reward.mode != "rule" and cfg.placement.mode == "partial"
+        encoded = [self.prompts.encode(r.row) for r in rows]
+        spec = self.sampling()
+        order: list[int] = []
+        streamed: set[int] = set()
+
+        def samples_of(i: int, completions: list) -> list[Sample]:
+            row = rows[i].row
+            return [
+                Sample(
+                    key=f"{step}/{self.dp_rank}/{draw}/{i * spec.n + j}",
+                    prompt=encoded[i].text,
+                    response=self.decode(c.token_ids),
+                    ground_truth=str(row["ground_truth"]),
+                    data_source=str(row["data_source"]),
+                )
+                for j, c in enumerate(completions)
+            ]
+
+        def finished(i: int, completions: list) -> None:
+            order.append(i)
+            if stream_to_genrm and (len(order) <= need or i in pinned):
+                streamed.add(i)
+                self.scorer.submit(samples_of(i, completions))
+
+        limit = cfg.rollout.max_aborts
+        pinned = frozenset(
+            i for i, r in enumerate(rows) if limit is not None and r.aborts >= limit
+        )  # waited for
+        abort = need < len(rows)
+        callback = abort or stream_to_genrm
+        completions = self.engine.generate(
+            [e.ids for e in encoded],
+            spec,
+            on_finished=finished if callback else None,
+            finish_after=need if abort else None,
+            wait_for=pinned if abort else frozenset(),
+            **self.images(encoded),
+        )
+        done, aborted = split_finished(order if callback else list(range(len(rows))), len(rows), pinned)
+        groups = [
+            Group(rows[i], encoded[i].ids, encoded[i].clipped, completions[i], samples_of(i, completions[i]),
+                  streamed=i in streamed, pixels=encoded[i].pixels)
+            for i in done
+        ]  # fmt: skip
+        return groups, [rows[i] for i in aborted]
+
+    def _score_groups(self, groups: list[Group]) -> None:
+        """Rewards of every sample: rules here, GenRM verdicts from the Serve deployment (already judging the
+        streamed samples in partial coexistence)."""
+        samples = [s for g in groups for s in g.samples]
+        self.scorer.submit([s for g in groups if not g.streamed for s in g.samples])
+        scores = iter(self.scorer.scores(samples))
+        for g in groups:
+            g.rewards = [next(scores) for _ in g.samples]
+
+    def _greedy_baseline(self, step: int, groups: list[Group]) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt, [len(groups)]."""
+        with self.timer.phase("rollout"):
+            outs = self.engine.generate(
+                [g.prompt_ids for g in groups],
+                replace(self.sampling(), n=1, temperature=0.0),
+                **self.images(groups),
+            )
+        samples = [
+            replace(g.samples[0], key=f"{step}/{self.dp_rank}/g{i}", response=self.decode(out[0].token_ids))
+            for i, (g, out) in enumerate(zip(groups, outs))
+        ]
+        with self.timer.phase("reward", busy=False):
+            self.scorer.submit(samples)
+            return torch.tensor(self.scorer.scores(samples), dtype=torch.float32)
+
+    def _pack(self, groups: list[Group]) -> RolloutBatch:
+        """The padded batch of the groups' samples, with their rewards (and their prompts' images, once)."""
+        n = self.config.rollout.n
+        flat = [c for g in groups for c in g.completions]
+        prompts = [g.prompt_ids for g in groups for _ in range(n)]
+        batch = pack(prompts, [c.token_ids for c in flat], [c.logprobs for c in flat], self.pad_id, n)
+        batch.rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        if self.prompts.layout is not None:
+            batch.images, batch.image_prompt = prompt_images([g.pixels for g in groups], n)
+        batch.truncated = sum(c.finish_reason == "length" for c in flat)
+        batch.prompts_clipped = sum(g.clipped for g in groups)
+        return batch
+
+    # ---- shared with evaluation -----------------------------------------------------------------------------
+    def images(self, prompts: list) -> dict[str, Any]:
+        """The engine's `images` keyword for `prompts` (each with `.pixels`): {} for a text policy. An engine
+        that takes image features (vLLM) gets the policy's own, computed here once a prompt."""
+        if self.prompts.layout is None:
+            return {}
+        pixels = [p.pixels for p in prompts]
+        if getattr(self.engine, "takes_image_features", False):
+            if self.image_features is None:
+                raise RuntimeError(
+                    "the engine takes image features, but the collector was given no policy for them"
+                )
+            features = self.image_features(pixels)
+            pixels = [replace(p, features=f) for p, f in zip(pixels, features)]
+        return {"images": pixels}
+
+    def sampling(self) -> SamplingSpec:
+        r = self.config.rollout
+        return SamplingSpec(
+            n=r.n,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop_token_ids=self.stop_ids,
+            ignore_eos=r.ignore_eos,
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def evaluate(self, eval_shard: Any) -> torch.Tensor:
+        """Greedy answers to this group's share of the eval rows (`EvalRows`), scored by the rule function:
+        [reward sum, correct count, sample count] float64 (the caller sums over groups)."""
+        sums = torch.zeros(3, dtype=torch.float64)
+        spec = SamplingSpec(
+            n=1,
+            max_new_tokens=self.config.rollout.max_new_tokens,
+            temperature=0.0,
+            stop_token_ids=self.stop_ids,
+        )
+        self.engine.wake()
+        for batch in eval_shard.batches():  # this group's share, read here (data/eval_rows.py)
+            rows = [{c: v[i] for c, v in batch.items()} for i in range(len(batch["prompt"]))]
+            rows = [r for r in rows if not r.get(IMAGE_ERROR)]  # images that did not load: not scored
+            encoded = [self.prompts.encode(r) for r in rows]
+            outs = self.engine.generate([e.ids for e in encoded], spec, **self.images(encoded))
+            items = [
+                (self.decode(group[0].token_ids), str(r["ground_truth"]), str(r["data_source"]))
+                for group, r in zip(outs, rows)
+            ]
+            r = self.config.reward
+            for reward in score_with_rule(self.reward_fn, items, r.function, r.on_error):
+                sums += torch.tensor([reward, float(reward >= 1.0), 1.0], dtype=torch.float64)
+        return sums
