@@ -29,7 +29,8 @@ from yatt_ray.data.images import ERROR as IMAGE_ERROR
 from yatt_ray.draws import Group, groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
 from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.metrics.timers import PhaseTimer
-from yatt_ray.prompts import ImageLayout, PromptEncoder
+from yatt_ray.model_dir import ImageLayout
+from yatt_ray.prompts import PromptEncoder
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
 from yatt_ray.rollout.base import SamplingSpec
@@ -66,6 +67,8 @@ class RolloutCollector:
         self.timer, self.recorder, self.image_features = timer, recorder, image_features
         self.share = config.train.prompts_per_step // dp_size  # prompt groups a step
         self.needs_greedy = ADVANTAGE_ESTIMATORS.get(config.algo.estimator).needs_greedy_baseline  # ReMax
+        # partial / disaggregated: each prompt's samples go to the GenRM as soon as they finish generating
+        self.streams_to_genrm = config.reward.mode != "rule" and config.placement.mode != "full"
         self.feed: Any = None
         self.engine: Any = None
         self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
@@ -203,9 +206,10 @@ class RolloutCollector:
     def _generate(self, step: int, draw: int, rows: list, need: int) -> tuple[list[Group], list]:
         """Start `rows`; the engine aborts the rest once `need` have finished, and the prompts aborted
         `rollout.max_aborts` times already (those are waited for). (finished groups, pinned first then in finish
-        order; aborted rows). In partial coexistence the first `need` stream to the GenRM as they finish."""
+        order; aborted rows). In partial and disaggregated placement the first `need` stream to the GenRM as they
+        finish."""
         cfg = self.config
-        stream_to_genrm = cfg.reward.mode != "rule" and cfg.placement.mode == "partial"
+        stream_to_genrm = self.streams_to_genrm
         encoded = [self.prompts.encode(r.row) for r in rows]
         spec = self.sampling()
         order: list[int] = []
@@ -254,7 +258,7 @@ class RolloutCollector:
 
     def _score_groups(self, groups: list[Group]) -> None:
         """Rewards of every sample: rules here, GenRM verdicts from the Serve deployment (already judging the
-        streamed samples in partial coexistence)."""
+        streamed samples in partial and disaggregated placement)."""
         samples = [s for g in groups for s in g.samples]
         self.scorer.submit([s for g in groups if not g.streamed for s in g.samples])
         scores = iter(self.scorer.scores(samples))

@@ -25,7 +25,7 @@ EngineKind = Literal["auto", "vllm", "hf"]  # auto: vllm when installed and the 
 RewardMode = Literal["rule", "genrm", "mix"]
 ParseErrorPolicy = Literal["zero", "rule", "raise"]
 RewardErrorPolicy = Literal["raise", "zero"]
-PlacementMode = Literal["full", "partial"]
+PlacementMode = Literal["full", "partial", "disaggregated"]
 PlacementStrategy = Literal["PACK", "SPREAD"]
 AlgoName = Literal["grpo", "ppo", "rloo", "reinforce_pp", "remax"]  # each names its estimator; ppo: gae
 WandbMode = Literal["", "online", "offline", "disabled"]
@@ -143,9 +143,12 @@ class GenRMConfig(_Section):
     max_new_tokens: int = 4
     max_prompt_tokens: int = 512  # the rendered judge prompt keeps its last tokens
     kv_cache_gb: float = 0.5
-    replicas: int = 1  # partial coexistence: replicas at start (full: one per training accelerator)
-    max_replicas: int | None = None  # partial: autoscale up to this many with the load (None = fixed)
-    accelerators_per_replica: int = 1  # partial: whole accelerators per replica
+    # full: one replica per training accelerator (its group of accelerators_per_replica); partial: `replicas`
+    # at start, up to one per training accelerator with the judging load; disaggregated: `replicas` at start,
+    # up to `max_replicas` (None = fixed), each on accelerators_per_replica accelerators of its own
+    replicas: int = 1
+    max_replicas: int | None = None  # disaggregated: autoscale up to this many with the load (None = fixed)
+    accelerators_per_replica: int = 1
     batch_size: int = 64
     batch_wait_s: float = 0.01
     timeout_s: float = 60.0  # per request attempt
@@ -171,11 +174,19 @@ class RewardConfig(_Section):
 
 @dataclass
 class PlacementConfig(_Section):
-    """full: every role shares every accelerator, phases in series; partial: GenRM replicas on their own
-    slice (`reward.genrm.replicas` x `accelerators_per_replica`), judging while rollouts generate."""
+    """Where the roles run (yatt_ray/placement.py):
+    full: every role on every accelerator in turn (rollout, then judging, then training);
+    partial (the seed system's partial coexistence): training takes every accelerator; during rollout the
+      rollout engines and the GenRM replicas share them and work at the same time (samples judged as they
+      finish), the replicas following the judging load between `reward.genrm.replicas` and one per training
+      accelerator; then both release memory and every accelerator trains;
+    disaggregated: GenRM replicas on accelerators of their own that never train (`reward.genrm.replicas` ..
+      `max_replicas` x `accelerators_per_replica`), judging while rollouts generate."""
 
     mode: PlacementMode = "full"
-    genrm_share: float = 0.1  # full: the part of each GPU's Ray resource its GenRM replica claims (a token)
+    genrm_share: float = (
+        0.1  # full, partial: the part of each GPU's Ray resource a GenRM replica claims (a token)
+    )
     gpu_memory_gb: float | None = None  # per accelerator; set it to check that the plan fits in memory
 
 

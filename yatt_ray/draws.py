@@ -35,7 +35,7 @@ class Group:
     clipped: bool  # the prompt was longer than data.max_prompt_tokens (kept its last tokens)
     completions: list[Completion]
     samples: list[Sample]
-    streamed: bool = False  # already submitted to the GenRM as it finished (partial coexistence)
+    streamed: bool = False  # already submitted to the GenRM as it finished (partial, disaggregated)
     rewards: list[float] = field(default_factory=list)
     pixels: Any = None  # the prompt's images, [I, 3, H, W] float32 (a vision-language policy), else None
 

@@ -115,8 +115,9 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     """Fail before any cluster work on a bad model directory or data files."""
     from yatt_ray.data import check_sources
     from yatt_ray.data.sources import first_row
+    from yatt_ray.model_dir import is_vision_model
     from yatt_ray.reward.rules import check_reward_fn, resolve_reward_fn
-    from yatt_ray.train.hf_convert import LlamaShape, check_tp_size, is_vision_model
+    from yatt_ray.train.hf_convert import LlamaShape, check_tp_size
 
     shape = LlamaShape.from_hf_dir(config.model.path)
     images = is_vision_model(config.model.path)
@@ -284,10 +285,10 @@ def _run(
     progress = DriverProgress(hub, config, output_dir, startup)
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
-    genrm_first = plan.genrm is not None and not (plan.mode == "full" and plan.uses_gpus)
+    genrm_first = plan.genrm is not None and not (plan.mode != "disaggregated" and plan.uses_gpus)
     signals = StopOnSignal(control, config.checkpoint.on_sigterm)
     try:
-        if genrm_first:  # partial coexistence (or no GPUs): the judges are up before the first rollout
+        if genrm_first:  # disaggregated (or no GPUs): the judges are up before the first rollout
             deploy_genrm(config, plan, hub)
         startup.mark("trainer_launched")
         print(
@@ -345,8 +346,8 @@ def _trainer(
     from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
+    from yatt_ray.model_dir import is_vision_model
     from yatt_ray.rendezvous import WorldConfig
-    from yatt_ray.train.hf_convert import is_vision_model
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows one bar: the steps
     # Ray Train's controller looks at its workers every 2 s by default, so each run's end and each failed

@@ -7,9 +7,16 @@ generative reward model (GenRM, a Ray Serve deployment) is placed by `placement.
 * full coexistence: one GenRM replica per training accelerator, on that same accelerator. Ray counts a GPU
   as 1.0, so a trainer claims `1 - genrm_share` and its replica `genrm_share` (a scheduling token, not a
   memory split: the phases run in series and each sleeps while the others work).
-* partial coexistence: GenRM replicas on their own slice, `accelerators_per_replica` whole accelerators each
+* partial coexistence (the seed system's): training takes every accelerator; during rollout the rollout
+  engines and GenRM replicas share them and work at the same time, each finished sample judged at once. The
+  replicas sit on the training accelerators as in full coexistence (`genrm_share` each), their number
+  following the measured judging load (Serve autoscaling on ongoing requests) between
+  `reward.genrm.replicas` and one per training accelerator's group of `accelerators_per_replica`; idle ones
+  release their memory, so every accelerator trains. No accelerator is held by a role that never trains.
+* disaggregated: GenRM replicas on their own slice, `accelerators_per_replica` whole accelerators each
   (a placement-group bundle per accelerator behind each Serve replica); up to `max_replicas` of them when
-  the deployment autoscales. The trainers keep their slice for rollout and training.
+  the deployment autoscales. The trainers keep their slice for rollout and training; the GenRM slice never
+  trains.
 
 Memory (checked when `placement.gpu_memory_gb` is set) is estimated per accelerator from the parameter
 counts. Per TP-local parameter a trainer holds (`trainer_bytes_per_param`) weights w = 4 (train.dtype=fp32)
@@ -24,6 +31,7 @@ train.distributed_optimizer (ZeRO-1). In bytes per parameter:
 The trainer term is that x P / tp, + w P / tp for a reference model, + that x P_critic / tp for a critic;
 rollout w P + KV cache (the engine generates in train.dtype); GenRM w_judge J / accelerators_per_replica
 (w_judge from reward.genrm.dtype) + KV cache. Full coexistence needs the largest phase; partial needs
+max(trainer, rollout + GenRM) (engine and judge resident together while rolling out); disaggregated needs
 max(trainer, rollout) on the trainer slice and the GenRM term on the GenRM slice.
 """
 
@@ -45,9 +53,9 @@ class GenRMSlice:
     replicas: int
     max_replicas: int
     accelerators_per_replica: int
-    gpus_per_accelerator: float  # 1 (partial), genrm_share (full) or 0 (no GPUs)
+    gpus_per_accelerator: float  # 1 (disaggregated), genrm_share (full, partial) or 0 (no GPUs)
     cpus: int
-    release_when_idle: bool  # full coexistence: sleep between judging phases
+    release_when_idle: bool  # full, partial: release memory between judging phases (the trainers need it)
 
     def bundles(self) -> list[dict[str, float]]:
         """One placement-group bundle per accelerator of a replica; the replica's CPUs go in the first."""
@@ -62,7 +70,7 @@ class PlacementPlan:
     dp_size: int
     tp_size: int
     cpus_per_worker: int
-    gpus_per_worker: float  # 1, 1 - genrm_share (full coexistence with a GenRM), or 0 (CPU only)
+    gpus_per_worker: float  # 1, 1 - genrm_share (full / partial coexistence with a GenRM), or 0 (CPU only)
     genrm: GenRMSlice | None = None
     with_reference: bool = True  # a frozen reference model beside the policy (algo.kl_coef > 0)
     with_critic: bool = False  # a value model beside the policy (critic.enable)
@@ -83,7 +91,7 @@ class PlacementPlan:
     def accelerators_needed(self) -> int:
         if not self.uses_gpus:
             return 0
-        if self.mode == "full" or self.genrm is None:
+        if self.mode != "disaggregated" or self.genrm is None:
             return self.num_workers
         return self.num_workers + self.genrm.max_replicas * self.genrm.accelerators_per_replica
 
@@ -106,13 +114,38 @@ class PlacementPlan:
         ]
         g = self.genrm
         if g is not None:
-            where = "sharing the training accelerators" if self.mode == "full" else "on their own slice"
+            where = (
+                "on their own slice" if self.mode == "disaggregated" else "sharing the training accelerators"
+            )
             scale = f"{g.replicas}" if g.max_replicas == g.replicas else f"{g.replicas}..{g.max_replicas}"
             lines.append(
                 f"  GenRM: {scale} Serve replica(s) {where}, bundles {g.bundles()} each"
                 + ("; released between judging phases" if g.release_when_idle else "")
             )
+        lines.append("  per phase: " + self.phases())
         return "\n".join(lines)
+
+    def phases(self) -> str:
+        """Which roles hold the accelerators in each phase of a step."""
+        trainers = f"{self.num_workers} training accelerator(s)" if self.uses_gpus else "the training workers"
+        if self.genrm is None:
+            return f"rollout: engines on {trainers}; train: trainers on {trainers}"
+        if self.mode == "full":
+            return (
+                f"rollout: engines on {trainers}; reward: GenRM replicas on {trainers}; train: trainers on "
+                f"{trainers} (phases in series)"
+            )
+        if self.mode == "partial":
+            return (
+                f"rollout + reward: engines and GenRM replicas together on {trainers}, samples judged as they "
+                f"finish; train: trainers on {trainers}"
+            )
+        judges = self.genrm.max_replicas * self.genrm.accelerators_per_replica
+        slice_ = f"{judges} GenRM accelerator(s)" if self.uses_gpus else "the GenRM replicas' CPUs"
+        return (
+            f"rollout: engines on {trainers} while GenRM replicas judge on {slice_}; train: trainers on "
+            f"{trainers} ({slice_} idle)"
+        )
 
     def check(self, cluster: dict[str, float]) -> None:
         """Raise PlacementError when the cluster's total resources cannot hold the plan."""
@@ -128,13 +161,14 @@ class PlacementPlan:
         need = self.accelerators_needed()
         if have_gpu >= need:
             return
-        if self.mode == "partial" and self.genrm is not None:
+        if self.mode == "disaggregated" and self.genrm is not None:
             g = self.genrm
             raise PlacementError(
-                f"partial coexistence needs {need} GPUs: the trainer slice dp x tp = {self.num_workers} plus the "
-                f"GenRM slice reward.genrm.max_replicas x accelerators_per_replica = {g.max_replicas} x "
+                f"disaggregated placement needs {need} GPUs: the trainer slice dp x tp = {self.num_workers} plus "
+                f"the GenRM slice reward.genrm.max_replicas x accelerators_per_replica = {g.max_replicas} x "
                 f"{g.accelerators_per_replica}, but the cluster has {have_gpu:g}. Lower reward.genrm.replicas / "
-                "max_replicas or train.dp_size, or use placement.mode=full (GenRM shares the trainers' GPUs)."
+                "max_replicas or train.dp_size, or use placement.mode=partial (GenRM shares the trainers' GPUs "
+                "during rollout)."
             )
         raise PlacementError(
             f"the plan needs {need} GPUs ({self.num_workers} workers) but the cluster has {have_gpu:g}. "
@@ -164,12 +198,14 @@ def plan_placement(
     if use_gpu is None:
         use_gpu = cluster.get("GPU", 0.0) >= 1
     mode, with_genrm = config.placement.mode, config.reward.mode != "rule"
-    if mode == "partial" and not with_genrm:
+    if mode != "full" and not with_genrm:
         raise PlacementError(
-            "placement.mode=partial puts the GenRM on its own accelerators, but reward.mode='rule' uses no "
+            f"placement.mode={mode} places the GenRM beside the rollout engines, but reward.mode='rule' uses no "
             "GenRM; set reward.mode=genrm (or mix), or use placement.mode=full"
         )
-    share = config.placement.genrm_share if (use_gpu and with_genrm and mode == "full") else 0.0
+    if mode == "partial" and with_genrm:
+        _check_partial(config)
+    share = config.placement.genrm_share if (use_gpu and with_genrm and mode != "disaggregated") else 0.0
     cpus = config.cluster.cpus_per_worker
     if cpus is None:
         from yatt_ray.cluster import shared_cpus
@@ -194,35 +230,54 @@ def plan_placement(
     return plan
 
 
+def _check_partial(config: Config) -> None:
+    """A config written when `partial` meant a GenRM slice of its own sizes that slice with
+    reward.genrm.max_replicas: refused with the choice to make (the seed's partial coexistence has no slice:
+    its replicas follow the judging load up to one per training accelerator)."""
+    g = config.reward.genrm
+    workers = config.train.dp_size * config.train.tp_size
+    if g.max_replicas is not None or g.replicas > workers:
+        raise PlacementError(
+            f"placement.mode=partial with reward.genrm.replicas={g.replicas}, max_replicas={g.max_replicas}: "
+            "partial is the seed system's partial coexistence (training takes every accelerator; during "
+            f"rollout the engines and up to one GenRM replica per training accelerator, here {workers}, share "
+            "them, following the judging load). To keep GenRM replicas on accelerators of their own, sized by "
+            "max_replicas (what placement.mode=partial meant before), choose placement.mode=disaggregated; "
+            f"else drop max_replicas and keep replicas <= {workers}."
+        )
+
+
 def genrm_replica_count(config: Config, use_gpu: bool) -> int:
-    """The most GenRM replicas the plan holds: one per training accelerator's share in full coexistence on
-    GPUs, else `reward.genrm.max_replicas` (or `replicas`)."""
+    """The most GenRM replicas the plan holds: one per training accelerator's share in full and partial
+    coexistence on GPUs, else `reward.genrm.max_replicas` (or `replicas`)."""
     g, workers = config.reward.genrm, config.train.dp_size * config.train.tp_size
-    if config.placement.mode == "full" and use_gpu:
+    if config.placement.mode != "disaggregated" and use_gpu:
         return max(workers // g.accelerators_per_replica, 1)
     return g.max_replicas or g.replicas
 
 
 def _genrm_slice(config: Config, use_gpu: bool, cpus: int) -> GenRMSlice:
-    g, workers = config.reward.genrm, config.train.dp_size * config.train.tp_size
+    g, workers, mode = config.reward.genrm, config.train.dp_size * config.train.tp_size, config.placement.mode
     apr = g.accelerators_per_replica
-    if config.placement.mode == "full" and use_gpu:
+    if mode != "disaggregated" and use_gpu:
         if workers % apr:
             raise PlacementError(
-                f"full coexistence puts GenRM replicas on the {workers} training accelerators, which "
+                f"{mode} coexistence puts GenRM replicas on the {workers} training accelerators, which "
                 f"reward.genrm.accelerators_per_replica={apr} does not divide; pick a divisor of {workers}"
             )
-        replicas = max_replicas = genrm_replica_count(config, use_gpu)
+        max_replicas = genrm_replica_count(config, use_gpu)
+        # full: one beside every trainer (the judging phase has them all); partial: as many as the load needs
+        replicas = max_replicas if mode == "full" else min(g.replicas, max_replicas)
     else:
         replicas, max_replicas = g.replicas, genrm_replica_count(config, use_gpu)
-    gpus = (config.placement.genrm_share if config.placement.mode == "full" else 1.0) if use_gpu else 0.0
+    gpus = (config.placement.genrm_share if mode != "disaggregated" else 1.0) if use_gpu else 0.0
     return GenRMSlice(
         replicas=replicas,
         max_replicas=max_replicas,
         accelerators_per_replica=apr,
         gpus_per_accelerator=gpus,
         cpus=cpus,
-        release_when_idle=config.placement.mode == "full",
+        release_when_idle=mode != "disaggregated",
     )
 
 
@@ -259,6 +314,9 @@ def _check_memory(plan: PlacementPlan, config: Config, sizes: ModelSizes, have_g
     est = memory_estimate_gb(plan, config, sizes)
     if plan.mode == "full":
         needs = {"the largest phase (" + max(est, key=est.__getitem__) + ")": max(est.values())}
+    elif plan.mode == "partial":
+        together = est["rollout"] + est.get("genrm", 0)
+        needs = {"training, or rollout and judging together": max(est["trainer"], together)}
     else:
         needs = {
             "the trainer slice": max(est["trainer"], est["rollout"]),

@@ -17,9 +17,7 @@ that would cut an image's tokens: that is a DataError naming the row and the len
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,55 +26,8 @@ import torch
 from yatt_ray.batch import Pixels
 from yatt_ray.data.images import GRID, IMAGE_PLACEHOLDER, PIXELS, prompt_text
 from yatt_ray.errors import DataError
-from yatt_ray.train.hf_convert import is_vision_model
-from yatt_ray.train.qwen_vl import is_qwen_vl, qwen_vl_config
-from yatt_ray.train.vision import (
-    expand_image_tokens,
-    image_shape,
-    image_token_id,
-    llava_config,
-    tokens_per_image,
-)
-
-
-@dataclass(frozen=True)
-class ImageLayout:
-    """How a vision-language policy reads an image: the id of its image token, the shape S of one row of its
-    pixel values, and how many tokens an image takes.
-
-    LLaVA: `tokens_per_image` fixed, S = (C, H, W) (one row per image), `<image>` is one token of its
-    tokenizer. Qwen2-VL / 2.5-VL (`merge` > 1): an image of grid (t, h, w) takes t*h*w / merge^2 tokens,
-    S = (C * temporal_patch * patch^2,) (one row per patch), and `<image>` becomes
-    `<|vision_start|><|image_pad|><|vision_end|>` (`placeholder`) before tokenizing, as Qwen's chat
-    processor and verl do, the pad then expanded to the image's tokens."""
-
-    token_id: int
-    pixel_shape: tuple[int, ...]
-    tokens_per_image: int = 0  # LLaVA
-    merge: int = 1  # Qwen VL's spatial_merge_size
-    placeholder: str = IMAGE_PLACEHOLDER  # the text an image stands as when tokenized
-
-    @classmethod
-    def from_model_dir(cls, path: str | Path) -> ImageLayout | None:
-        """From `<path>/config.json`: None for a text model (or no config.json: the driver checked the model)."""
-        if not is_vision_model(path):
-            return None
-        cfg = json.loads((Path(path) / "config.json").read_text())
-        if is_qwen_vl(cfg):
-            config = qwen_vl_config(cfg)
-            vision = config.vision_config
-            row = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-            tokenizer_tokens = "<|vision_start|><|image_pad|><|vision_end|>"
-            return cls(int(config.image_token_id), (row,), merge=int(vision.spatial_merge_size),
-                       placeholder=tokenizer_tokens)  # fmt: skip
-        config = llava_config(path)
-        return cls(image_token_id(config), image_shape(config), tokens_per_image(config))
-
-    def image_tokens(self, pixels: Pixels) -> list[int]:
-        """Tokens of each of `pixels`' images."""
-        if pixels.grid is None:
-            return [self.tokens_per_image] * pixels.count
-        return (pixels.grid.prod(-1) // self.merge**2).tolist()
+from yatt_ray.model_dir import ImageLayout
+from yatt_ray.train.vision import expand_image_tokens
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def eval_rows(config: Config, layout: Layout, eval_files: list[str]) -> EvalRows
     images are decoded and processed there too, batch by batch, with the model's image processor."""
     from yatt_ray.data.eval_rows import EvalRows
     from yatt_ray.data.images import pixels_processor
-    from yatt_ray.train.hf_convert import is_vision_model
+    from yatt_ray.model_dir import is_vision_model
 
     pixels = None
     if is_vision_model(config.model.path):

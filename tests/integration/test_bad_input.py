@@ -58,12 +58,19 @@ def test_more_workers_than_the_cluster_can_place(tmp_path, ray_cluster, demo_cac
     assert len(ray.util.placement_group_table()) == before
 
 
-def test_partial_coexistence_without_accelerators_for_the_judge(tmp_path, ray_cluster, demo_cache):
+def test_disaggregated_placement_without_accelerators_for_the_judge(tmp_path, ray_cluster, demo_cache):
     """The shared cluster declares 4 logical GPUs: 2 trainers + 3 judge replicas do not fit; nothing starts."""
     import ray
 
-    over = ("reward.mode=genrm", "placement.mode=partial", "reward.genrm.replicas=3", "cluster.use_gpu=true")
-    with pytest.raises(yatt_ray.PlacementError, match=r"partial coexistence needs 5 GPUs: .* cluster has 4"):
+    over = (
+        "reward.mode=genrm",
+        "placement.mode=disaggregated",
+        "reward.genrm.replicas=3",
+        "cluster.use_gpu=true",
+    )
+    with pytest.raises(
+        yatt_ray.PlacementError, match=r"disaggregated placement needs 5 GPUs: .* cluster has 4"
+    ):
         yatt_ray.fit(config(tmp_path, "train.dp_size=2", "train.prompts_per_step=2", *over))
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert not [n for n in names if "yatt-genrm" in n], names

@@ -1,9 +1,11 @@
-"""Both placement modes train end to end with the GenRM as the only reward, on fake accelerators.
+"""The three placements with the GenRM as the only reward, end to end on fake accelerators.
 
 The shared test cluster declares 4 logical GPUs (no CUDA behind them): the plan places roles on them as on a
 real cluster and the workers compute on the CPU. The demo judge (a tiny model taught to compare a response
 with the reference answer) is the reward, so the policy can only learn through its verdicts; learning is
-measured with the rule (exact match) on the eval split. The run's timeline shows where each role ran.
+measured with the rule (exact match) on the eval split, in partial coexistence (the seed system's: judges
+beside the trainers, judging while rollouts generate). Full coexistence and disaggregated placement run a
+few steps each, for where their roles run. The run's timeline shows where each role ran and when.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ def genrm_run(tmp_path, mode: str, *extra: str) -> yatt_ray.Result:
             f"train.steps={STEPS}",
             "cluster.use_gpu=true",
             *extra,
-        ],
+        ],  # a later train.steps in `extra` wins
     )
     return yatt_ray.fit(config)
+
+
+SHORT = ("train.steps=4", "data.eval_files=[]")  # where the roles run, not learning
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,12 @@ def partial(ray_cluster, demo_cache, tmp_path_factory):
 @pytest.fixture(scope="module")
 def full(ray_cluster, demo_cache, tmp_path_factory):
     # the trainer offloads to host memory while the rollout engine and the judge have the accelerator
-    return genrm_run(tmp_path_factory.mktemp("full"), "full", "train.offload_during_rollout=true")
+    return genrm_run(tmp_path_factory.mktemp("full"), "full", "train.offload_during_rollout=true", *SHORT)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(ray_cluster, demo_cache, tmp_path_factory):
+    return genrm_run(tmp_path_factory.mktemp("disaggregated"), "disaggregated", *SHORT)
 
 
 def roles_by_accelerator(result) -> dict[str, set[str]]:
@@ -60,35 +70,45 @@ def roles_by_accelerator(result) -> dict[str, set[str]]:
     return out
 
 
-def assert_learns(result) -> None:
-    evals = result.metric("eval/accuracy")
-    assert evals[-1] > evals[0] + 0.08, (
-        f"greedy eval accuracy (exact match) {evals[0]:.3f} -> {evals[-1]:.3f}"
-    )
-    steps = [r for r in result.history if "reward_mean" in r]
-    assert len(steps) == STEPS
-    assert sum(r["genrm/parse_failures"] for r in steps) == 0 and sum(r["genrm/retries"] for r in steps) == 0
-    assert all(r["genrm/held"] == 0 for r in steps), "verdicts kept past their step"
+def assert_judged_cleanly(result, steps: int) -> None:
+    rows = [r for r in result.history if "reward_mean" in r]
+    assert len(rows) == steps
+    assert sum(r["genrm/parse_failures"] for r in rows) == 0 and sum(r["genrm/retries"] for r in rows) == 0
+    assert all(r["genrm/held"] == 0 for r in rows), "verdicts kept past their step"
 
 
 def test_partial_coexistence_learns_from_the_judge(partial):
-    assert_learns(partial)
+    evals = partial.metric("eval/accuracy")
+    assert evals[-1] > evals[0] + 0.08, (
+        f"greedy eval accuracy (exact match) {evals[0]:.3f} -> {evals[-1]:.3f}"
+    )
+    assert_judged_cleanly(partial, STEPS)
 
 
-def test_full_coexistence_learns_from_the_judge(full):
-    assert_learns(full)
+def split_by_role(placed: dict[str, set[str]]) -> tuple[set[str], set[str]]:
+    trainers = {a for a, w in placed.items() if any(x.startswith("rank") for x in w)}
+    judges = {a for a, w in placed.items() if any(x.startswith("genrm") for x in w)}
+    return trainers, judges
 
 
-def test_partial_places_the_judge_on_its_own_accelerator(partial):
+def test_partial_puts_the_judges_on_the_training_accelerators(partial):
+    """No accelerator of its own for the judge: every accelerator that judged also trained."""
     placed = roles_by_accelerator(partial)
-    trainer_accels = {a for a, w in placed.items() if any(x.startswith("rank") for x in w)}
-    judge_accels = {a for a, w in placed.items() if any(x.startswith("genrm") for x in w)}
-    assert len(trainer_accels) == 2 and len(judge_accels) == 1, placed
-    assert not trainer_accels & judge_accels, placed
+    trainers, judges = split_by_role(placed)
+    assert len(trainers) == 2 and judges and judges <= trainers, placed
     assert all("/gpu:" in a for a in placed), placed
 
 
+def test_disaggregated_places_the_judge_on_its_own_accelerator(disaggregated):
+    assert_judged_cleanly(disaggregated, 4)
+    placed = roles_by_accelerator(disaggregated)
+    trainers, judges = split_by_role(placed)
+    assert len(trainers) == 2 and len(judges) == 1, placed
+    assert not trainers & judges, placed
+
+
 def test_full_places_one_judge_beside_each_trainer(full):
+    assert_judged_cleanly(full, 4)
     placed = roles_by_accelerator(full)
     assert len(placed) == 2, placed  # two GPUs, each with one trainer rank and one GenRM replica
     for accel, workers in placed.items():
@@ -105,7 +125,8 @@ def test_full_coexistence_releases_memory_between_phases(full):
 
 
 def test_partial_judges_while_rollouts_generate(partial):
-    """Judging overlaps generation: in most steps a judge batch starts while the rollout still runs."""
+    """Engines and judges busy at the same time: in most steps a judge batch starts while the rollout still
+    runs (on the same accelerators: see above)."""
     trace = json.loads(Path(partial.output_dir, "timeline.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
     rollout: dict[int, tuple[float, float]] = {}
@@ -121,7 +142,7 @@ def test_partial_judges_while_rollouts_generate(partial):
 
 
 def test_idle_fraction_reported_per_step(partial, full):
-    for result in (partial, full):
+    for result, steps in ((partial, STEPS), (full, 4)):
         idle = [r for r in result.history if "idle/mean" in r]
-        assert len(idle) == STEPS and all(0.0 <= r["idle/mean"] <= r["idle/max"] <= 1.0 for r in idle)
+        assert len(idle) == steps and all(0.0 <= r["idle/mean"] <= r["idle/max"] <= 1.0 for r in idle)
         assert Path(result.output_dir, "timeline.png").stat().st_size > 5000

@@ -92,7 +92,7 @@ def test_async_user_reward_functions_run_concurrently():
     [
         ("reward.mode=judge", "reward.mode='judge' is unknown; valid: genrm, mix, rule"),
         ("reward.genrm_weight=1.5", "reward.genrm_weight=1.5 must be in [0, 1]"),
-        ("placement.mode=half", "placement.mode='half' is unknown; valid: full, partial"),
+        ("placement.mode=half", "placement.mode='half' is unknown; valid: disaggregated, full, partial"),
         ("reward.genrm.on_parse_error=skip", "on_parse_error='skip' is unknown; valid: raise, rule, zero"),
         ("reward.genrm.max_replicas=0", "reward.genrm.max_replicas=0 must be >= reward.genrm.replicas=1"),
     ],

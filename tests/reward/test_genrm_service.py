@@ -32,7 +32,7 @@ def judge_config(*extra: str):
     # share the test cluster's 8 logical CPUs (2 each), and 2 x 2 judge threads on 2 cores starve Serve's probes
     config = yatt_ray.load_config(
         None,
-        ["reward.mode=genrm", "placement.mode=partial", "cluster.use_gpu=false", "cluster.cpus_per_worker=1",
+        ["reward.mode=genrm", "placement.mode=disaggregated", "cluster.use_gpu=false", "cluster.cpus_per_worker=1",
          *extra],
     )  # fmt: skip
     prepare_demo_judge(config, demo_cache_dir(config.demo) / "judge")
@@ -221,11 +221,12 @@ def test_the_controller_discards_the_streamed_groups_it_does_not_take(two_replic
         **{"reward.mode": "genrm", "placement.mode": "partial", "rollout.over_sample": 1.5,
            "rollout.max_aborts": 1}
     )  # fmt: skip
-    assert ctrl.stream_to_genrm
+    assert ctrl.collector.streams_to_genrm
     discarded = []
     for step in range(1, 5):
         metrics = ctrl.step(step)
-        assert ctrl.scorer.held() == 0 and metrics["genrm/held"] == 0, f"step {step}: {ctrl.scorer.held()}"
+        held = ctrl.collector.scorer.held()
+        assert held == 0 and metrics["genrm/held"] == 0, f"step {step}: {held}"
         assert metrics["genrm/retries"] == 0
         discarded.append(metrics["genrm/discarded"])
     assert discarded[:2] == [0, 4], discarded

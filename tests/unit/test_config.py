@@ -164,7 +164,7 @@ def test_modes_are_checked_from_their_literal_types_also_when_set_in_code():
     config.rollout.engine = "sglang"  # type: ignore[assignment]
     with pytest.raises(ConfigError) as info:
         validate(config)
-    assert "placement.mode='half' is unknown; valid: full, partial" in str(info.value)
+    assert "placement.mode='half' is unknown; valid: disaggregated, full, partial" in str(info.value)
     assert "rollout.engine='sglang' is unknown; valid: auto, hf, vllm" in str(info.value)
 
 

@@ -1,4 +1,5 @@
-"""The full-coexistence placement plan and its resource checks (no cluster: resources are given)."""
+"""The placement plans (full, partial, disaggregated) and their resource checks (no cluster: resources are
+given; GPUs as Ray counts them, so fake GPU resources test the placement logic on CPU)."""
 
 import pytest
 
@@ -64,25 +65,54 @@ def test_full_coexistence_puts_one_judge_beside_each_trainer():
     assert "2 Serve replica(s) sharing the training accelerators" in plan.describe()
 
 
-def test_partial_coexistence_gives_the_judge_its_own_slice():
-    config = cfg(*GENRM, "placement.mode=partial", "reward.genrm.replicas=2", "reward.genrm.max_replicas=3")
+def test_disaggregated_gives_the_judge_its_own_slice():
+    config = cfg(
+        *GENRM, "placement.mode=disaggregated", "reward.genrm.replicas=2", "reward.genrm.max_replicas=3"
+    )
     plan = plan_placement(config, {"CPU": 16.0, "GPU": 5.0})
     assert plan.trainer_resources() == {"CPU": 1.0, "GPU": 1.0}
     assert plan.genrm is not None and (plan.genrm.replicas, plan.genrm.max_replicas) == (2, 3)
     assert plan.genrm.bundles() == [{"CPU": 1.0, "GPU": 1.0}] and not plan.genrm.release_when_idle
     assert plan.accelerators_needed() == 5 and "2..3 Serve replica(s) on their own slice" in plan.describe()
+    assert "train: trainers on 2 training accelerator(s) (3 GenRM accelerator(s) idle)" in plan.describe()
 
 
-def test_partial_coexistence_without_room_for_the_judge():
+def test_partial_coexistence_shares_every_accelerator_and_follows_the_judging_load():
+    """The seed's partial coexistence: no accelerator of its own for the judge; replicas beside the trainers,
+    1 at start, up to one per training accelerator as the judging load asks; released for training."""
+    config = cfg(*GENRM, "placement.mode=partial", "placement.genrm_share=0.25")
+    plan = plan_placement(config, {"CPU": 16.0, "GPU": 2.0})
+    assert plan.trainer_resources() == {"CPU": 1.0, "GPU": 0.75} and plan.accelerators_needed() == 2
+    assert plan.genrm is not None and (plan.genrm.replicas, plan.genrm.max_replicas) == (1, 2)
+    assert plan.genrm.bundles() == [{"CPU": 1.0, "GPU": 0.25}] and plan.genrm.release_when_idle
+    text = plan.describe()
+    assert "1..2 Serve replica(s) sharing the training accelerators" in text
+    assert "rollout + reward: engines and GenRM replicas together on 2 training accelerator(s)" in text
+    full = plan_placement(cfg(*GENRM), {"CPU": 16.0, "GPU": 2.0}).describe()
+    assert "(phases in series)" in full
+
+
+def test_partial_coexistence_refuses_a_config_sized_for_a_judge_slice():
+    """A config written when `partial` meant a GenRM slice of its own (sized by max_replicas, or more replicas
+    than training accelerators): refused before any work, naming the mode to choose."""
+    for over in ("reward.genrm.max_replicas=3", "reward.genrm.replicas=3"):
+        with pytest.raises(PlacementError, match=r"meant before\), choose placement.mode=disaggregated"):
+            plan_placement(cfg(*GENRM, "placement.mode=partial", over), {"CPU": 16.0, "GPU": 5.0})
+    ok = plan_placement(
+        cfg(*GENRM, "placement.mode=partial", "reward.genrm.replicas=2"), {"CPU": 16.0, "GPU": 4.0}
+    )
+    assert ok.genrm is not None and (ok.genrm.replicas, ok.genrm.max_replicas) == (2, 2)
+
+
+def test_disaggregated_without_room_for_the_judge():
     config = cfg(
         *GENRM,
-        "placement.mode=partial",
+        "placement.mode=disaggregated",
         "reward.genrm.accelerators_per_replica=2",
-        "reward.genrm.engine=vllm",
         "reward.genrm.engine=vllm",
     )
     with pytest.raises(
-        PlacementError, match=r"partial coexistence needs 4 GPUs: .* 1 x 2, but the cluster has 3"
+        PlacementError, match=r"disaggregated placement needs 4 GPUs: .* 1 x 2, but the cluster has 3"
     ):
         plan_placement(config, {"CPU": 16.0, "GPU": 3.0})
 
@@ -141,7 +171,7 @@ def test_judge_replicas_follow_the_load_between_replicas_and_max_replicas():
 
     config = cfg(
         *GENRM,
-        "placement.mode=partial",
+        "placement.mode=disaggregated",
         "reward.genrm.max_replicas=4",
         "reward.genrm.accelerators_per_replica=2",
         "reward.genrm.engine=vllm",

@@ -64,7 +64,7 @@ def test_a_restored_keep_rate_applies_only_with_dynamic_sampling(single_process_
     """A checkpoint's keep rate of 0.4 made a run without dynamic sampling start 2.5x the prompts it needs."""
     off, *_ = controller()
     off.apply_resumed(resumed(0.4))
-    assert off.keep_rate == 1.0 and off.kl_ctl.value == 0.02
+    assert off.collector.keep_rate == 1.0 and off.kl_ctl.value == 0.02
     on, *_ = controller(**{"algo.dynamic_sampling": "reward"})
     on.apply_resumed(resumed(0.4))
-    assert on.keep_rate == 0.4
+    assert on.collector.keep_rate == 0.4

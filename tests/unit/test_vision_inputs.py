@@ -12,9 +12,10 @@ from yatt_ray.config import DataConfig
 from yatt_ray.data import check_sources
 from yatt_ray.data.images import PIXELS
 from yatt_ray.errors import ConfigError, DataError
+from yatt_ray.model_dir import ImageLayout
 from yatt_ray.models.tiny import build_tiny_model
 from yatt_ray.models.tiny_vlm import IMAGE_TOKEN_ID, build_tiny_vlm, build_vlm_tokenizer
-from yatt_ray.prompts import ImageLayout, PromptEncoder
+from yatt_ray.prompts import PromptEncoder
 from yatt_ray.rollout import resolve_engine_kind
 from yatt_ray.tasks import visual
 

@@ -223,8 +223,9 @@ def test_prompts_without_images_as_the_encoder_gives_them(engine, vlm_dir, pixel
     import numpy as np
 
     from yatt_ray.data.images import PIXELS
+    from yatt_ray.model_dir import ImageLayout
     from yatt_ray.models.tiny_vlm import build_vlm_tokenizer
-    from yatt_ray.prompts import ImageLayout, PromptEncoder
+    from yatt_ray.prompts import PromptEncoder
 
     encoder = PromptEncoder(build_vlm_tokenizer(), 32, ImageLayout.from_model_dir(vlm_dir))
     rows = [

@@ -471,11 +471,9 @@ def _qwen_processor(processor_dir: str, min_pixels: int | None, max_pixels: int 
 
 def pixels_processor(model_dir: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
     """The `processor_fn` of a vision-language model directory: `QwenPixels` for Qwen VL, else `ClipPixels`."""
-    import json
-    from pathlib import Path
+    from yatt_ray.model_dir import is_qwen_vl, read_config
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if config.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
+    if is_qwen_vl(read_config(model_dir)):
         return QwenPixels(model_dir, min_pixels, max_pixels)
     return ClipPixels(model_dir)
 

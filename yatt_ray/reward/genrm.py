@@ -10,9 +10,9 @@ batched on the replica by `serve.batch` (up to `reward.genrm.batch_size`, waitin
 Templates and parsers are plain functions; users give their own by dotted path (`pkg.mod:fn`), or a
 template as a string with `{prompt}`, `{response}` and `{ground_truth}` fields.
 
-In full coexistence the replica shares its accelerator with a trainer and releases its memory (the engine
-sleeps) when no batch arrived for `idle_release_s`; the next batch wakes it. In partial coexistence it stays
-awake on its own slice.
+In full and partial coexistence the replica shares its accelerator with a trainer and releases its memory
+(the engine sleeps) when no batch arrived for `idle_release_s`; the next batch wakes it. Disaggregated, it
+stays awake on its own slice.
 """
 
 from __future__ import annotations

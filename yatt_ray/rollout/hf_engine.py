@@ -81,7 +81,7 @@ class HFEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        from yatt_ray.train.qwen_vl import is_qwen_vl
+        from yatt_ray.model_dir import is_qwen_vl
 
         if dtype not in _DTYPES:
             raise ConfigError(f"HFEngine dtype={dtype!r} is not one of {sorted(_DTYPES)}")
@@ -101,7 +101,8 @@ class HFEngine:
         if config_json.get("model_type") == "llava":
             from transformers import LlavaForConditionalGeneration
 
-            from yatt_ray.train.vision import image_shape, image_token_id, llava_module_name, tokens_per_image
+            from yatt_ray.model_dir import image_shape, image_token_id, tokens_per_image
+            from yatt_ray.train.vision import llava_module_name
 
             model: Any = LlavaForConditionalGeneration.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
             self.image_token_id = image_token_id(model.config)
@@ -475,7 +476,7 @@ def _read_config(model_dir: str) -> dict:
 
 def _qwen_vl_class(config: dict) -> str:
     """The transformers class name of a Qwen VL config.json (by model_type, else by architectures)."""
-    from yatt_ray.train.qwen_vl import MODEL_TYPES
+    from yatt_ray.model_dir import QWEN_VL_TYPES as MODEL_TYPES
 
     name = MODEL_TYPES.get(config.get("model_type", ""))
     return name or next(a for a in config.get("architectures") or [] if a in MODEL_TYPES.values())

@@ -65,7 +65,6 @@ What vLLM changes in the host process, and what this engine does about it:
 from __future__ import annotations
 
 import gc
-import json
 import os
 import random
 import sys
@@ -80,6 +79,7 @@ import torch
 
 from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, DataError, YattError
+from yatt_ray.model_dir import read_config
 from yatt_ray.rollout.base import (
     Completion,
     Images,
@@ -181,7 +181,7 @@ class VLLMEngine:
             problem = cpu_unsupported_reason(self.model_dir)
             if problem:
                 raise ConfigError(problem)
-        cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        cfg = read_config(self.model_dir)
         # Qwen VL: the image token, the vision merge size and the decoder width (what a feature row must have)
         self.image_token_id: int | None = None
         self.merge = 1
@@ -727,7 +727,7 @@ def _partial_groups(received: set[str], expected: set[str], packed: dict[str, li
 
 
 def _is_qwen_vl(cfg: dict) -> bool:
-    from yatt_ray.train.qwen_vl import is_qwen_vl
+    from yatt_ray.model_dir import is_qwen_vl
 
     return is_qwen_vl(cfg)
 
@@ -834,7 +834,7 @@ def cpu_head_sizes() -> list[int]:
 def vision_unsupported_reason(model_dir: str | Path) -> str | None:
     """Why this engine cannot serve a vision-language model's image prompts (any device), or None for a text
     model and for Qwen2-VL / Qwen2.5-VL (whose image features it takes)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = read_config(model_dir)
     if "vision_config" not in cfg or _is_qwen_vl(cfg):
         return None
     arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
@@ -848,7 +848,7 @@ def vision_unsupported_reason(model_dir: str | Path) -> str | None:
 def cpu_unsupported_reason(model_dir: str) -> str | None:
     """Why vLLM on the CPU cannot run this model (a vision-language model other than Qwen2-VL / Qwen2.5-VL; its
     attention head size), or None when it can. Qwen VL runs with `vllm_cpu_shims` (applied by the engine)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = read_config(model_dir)
     if "vision_config" in cfg and not _is_qwen_vl(cfg):
         return (
             f"vLLM cannot run the vision-language model {model_dir} on the CPU: its LLaVA model code imports "

@@ -34,7 +34,8 @@ def build_warm_vlm(model_dir: Path, demo: DemoConfig, lr: float = 1e-3) -> None:
 
     from yatt_ray.batch import PromptImages
     from yatt_ray.data.images import GRID, PIXELS, pixels_processor
-    from yatt_ray.prompts import ImageLayout, PromptEncoder
+    from yatt_ray.model_dir import ImageLayout
+    from yatt_ray.prompts import PromptEncoder
 
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     if demo.vision_model == "qwen2_5_vl":

@@ -118,9 +118,10 @@ class LlamaShape:
                     "trainer converts LLaVA with a Llama language model only"
                 )
             return cls.from_hf_config({**text, "model_type": "llama"}, source=f"{source} (text_config)")
+        from yatt_ray.model_dir import is_qwen_vl
         from yatt_ray.train import qwen_vl
 
-        if qwen_vl.is_qwen_vl(cfg):  # a Qwen VL policy: its Qwen2 language model with multimodal RoPE
+        if is_qwen_vl(cfg):  # a Qwen VL policy: its Qwen2 language model with multimodal RoPE
             text, section = qwen_vl.text_config_dict(cfg)
             shape = cls.from_hf_config(text, source=f"{source} (text_config)")
             if 2 * sum(section) != shape.head_dim:
@@ -271,13 +272,6 @@ def rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
-
-
-def is_vision_model(path: str | Path) -> bool:
-    """True when `<path>/config.json` is a vision-language model (LLaVA: a `vision_config` beside the Llama's
-    `text_config`); the policy then reads images (`yatt_ray.train.vision`)."""
-    config_file = Path(path) / "config.json"
-    return config_file.is_file() and "vision_config" in json.loads(config_file.read_text())
 
 
 def check_tp_size(shape: LlamaShape, tp_size: int) -> None:

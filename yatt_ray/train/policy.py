@@ -18,8 +18,9 @@ import torch
 
 from yatt_ray.batch import Pixels, PromptImages
 from yatt_ray.errors import DataError
+from yatt_ray.model_dir import is_vision_model
 from yatt_ray.train import qwen_vl
-from yatt_ray.train.hf_convert import StateDict, is_vision_model, megatron_to_hf
+from yatt_ray.train.hf_convert import StateDict, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
 from yatt_ray.train.model import build_gpt_model, forward_packed, load_hf_weights
 from yatt_ray.train.packing import pack_shared_prefix

@@ -30,40 +30,14 @@ model under `Qwen2ForCausalLM` names (for `hf_to_megatron`) and the vision weigh
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from yatt_ray.errors import ConfigError, DataError
+from yatt_ray.model_dir import qwen_vl_config
 from yatt_ray.train.hf_convert import StateDict
-
-MODEL_TYPES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-}
-
-
-def is_qwen_vl(cfg: dict) -> bool:
-    """Whether a parsed config.json is a Qwen2-VL / Qwen2.5-VL model."""
-    arch = cfg.get("architectures") or []
-    return cfg.get("model_type") in MODEL_TYPES or any(a in MODEL_TYPES.values() for a in arch)
-
-
-def qwen_vl_config(config: Any):
-    """A transformers `Qwen2VLConfig` / `Qwen2_5_VLConfig` from a config dict, a config, or a model directory."""
-    import transformers
-
-    if isinstance(config, (str, Path)):
-        config = json.loads((Path(config) / "config.json").read_text())
-    if not isinstance(config, dict):
-        return config
-    kind = config.get("model_type")
-    if kind not in MODEL_TYPES:
-        raise ConfigError(f"model_type={kind!r} is not one of the Qwen VL types {list(MODEL_TYPES)}")
-    cls = transformers.Qwen2VLConfig if kind == "qwen2_vl" else transformers.Qwen2_5_VLConfig
-    return cls(**{k: v for k, v in config.items() if k != "model_type"})
 
 
 def text_config_dict(cfg: dict) -> tuple[dict, tuple[int, int, int]]:

@@ -34,13 +34,13 @@ Weights. `split_llava_state_dict` separates a LLaVA state dict into the language
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from yatt_ray.errors import ConfigError, DataError
+from yatt_ray.model_dir import llava_config, tokens_per_image
 from yatt_ray.train.hf_convert import LlamaShape, StateDict, hf_to_megatron
 from yatt_ray.train.packing import PAD_SEGMENT, SharedPrefixRows
 
@@ -121,51 +121,10 @@ def check_image_count(
 
 
 # ---------------------------------------------------------------------------------------------- config
-def llava_config(config: Any):
-    """A transformers `LlavaConfig` from a parsed config.json dict, a `LlavaConfig`, or a model directory."""
-    from transformers import LlavaConfig
-
-    if isinstance(config, LlavaConfig):
-        return config
-    if isinstance(config, str | Path):
-        path = Path(config) / "config.json"
-        if not path.is_file():
-            raise ConfigError(
-                f"{str(config)!r} has no config.json: point it at a LLaVA Hugging Face directory"
-            )
-        config = json.loads(path.read_text())
-    if not isinstance(config, dict) or config.get("model_type") != "llava":
-        got = config.get("model_type") if isinstance(config, dict) else type(config).__name__
-        raise ConfigError(
-            f"model_type={got!r} is not 'llava': the vision trainer supports LlavaForConditionalGeneration "
-            "checkpoints (CLIP-style vision tower + MLP projector + Llama)"
-        )
-    return LlavaConfig.from_dict(config)
-
-
 def text_shape(config: Any) -> LlamaShape:
     """The `LlamaShape` of a LLaVA model's language model (its `text_config`, with transformers' defaults for
     the keys a checkpoint leaves out; `model_type` "llama" when the dict has none)."""
     return LlamaShape.from_hf_config(llava_config(config).to_dict(), source="a LLaVA config")
-
-
-def image_token_id(config: Any) -> int:
-    """The id of the image token (`image_token_index` in config.json)."""
-    return int(llava_config(config).image_token_id)
-
-
-def image_shape(config: Any) -> tuple[int, int, int]:
-    """(channels, height, width) of the pixel_values the vision tower takes (square images)."""
-    vision = llava_config(config).vision_config
-    return int(vision.num_channels), int(vision.image_size), int(vision.image_size)
-
-
-def tokens_per_image(config: Any) -> int:
-    """Positions one image takes: (image_size / patch_size)^2 patch tokens, +1 (CLS) with strategy "full"."""
-    cfg = llava_config(config)
-    vision = cfg.vision_config
-    patches = (vision.image_size // vision.patch_size) ** 2
-    return patches + (1 if cfg.vision_feature_select_strategy == "full" else 0)
 
 
 # ---------------------------------------------------------------------------------------------- state dicts
