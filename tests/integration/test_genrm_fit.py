@@ -43,7 +43,9 @@ SHORT = ("train.steps=4", "data.eval_files=[]")  # where the roles run, not lear
 
 @pytest.fixture(scope="module")
 def partial(ray_cluster, demo_cache, tmp_path_factory):
-    return genrm_run(tmp_path_factory.mktemp("partial"), "partial")
+    # two replicas from the start (one per training accelerator, the most partial allows): on 2 CPU cores a
+    # replica that autoscaling starts mid-run costs ~40 s of the test, and Serve's autoscaling is Serve's
+    return genrm_run(tmp_path_factory.mktemp("partial"), "partial", "reward.genrm.replicas=2")
 
 
 @pytest.fixture(scope="module")
