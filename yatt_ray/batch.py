@@ -103,13 +103,14 @@ class PromptImages:
 
     def prompt(self, g: int) -> Pixels:
         """Prompt g's pixels."""
-        return self._prompts([g])[0]
+        return self.pixels_of([g])[0]
 
     def select(self, prompts: list[int]) -> PromptImages:
         """The images of `prompts` (indices into this), in that order."""
-        return PromptImages.of(self._prompts(prompts)) if prompts else self._empty()
+        return PromptImages.of(self.pixels_of(prompts)) if prompts else self._empty()
 
-    def _prompts(self, prompts: list[int]) -> list[Pixels]:
+    def pixels_of(self, prompts: list[int]) -> list[Pixels]:
+        """The `Pixels` of `prompts` (indices into this), in that order (one pass over the offsets)."""
         row_at = [0, *self.rows.cumsum(0).tolist()]
         image_at = [0, *self.counts.cumsum(0).tolist()]
         out = []

@@ -248,7 +248,8 @@ class MegatronPolicy(MegatronTrainerBase):
         real = attention_mask.cpu().bool()
         ids = input_ids.cpu()
         prompt_of = image_prompt.cpu().tolist()
-        grids = {g: images.prompt(g).grid for g in set(prompt_of)}
+        used = sorted(set(prompt_of))
+        grids = {g: p.grid for g, p in zip(used, images.pixels_of(used))}
         rows = [
             qwen_vl.mrope_positions(
                 ids[r][real[r]], grids[prompt_of[r]], encoder.image_token_id, encoder.merge
