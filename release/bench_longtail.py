@@ -102,7 +102,7 @@ def decode_step_ms(model_dir: str, batches: tuple[int, ...] = (1, 128), tokens: 
     two identical calls (the first warms the engine)."""
     import time
 
-    from yatt_ray.rollout.base import SamplingSpec
+    from yatt_ray.rollout.base import GenerateRequest, SamplingSpec
     from yatt_ray.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model_dir, seed=0)
@@ -111,9 +111,9 @@ def decode_step_ms(model_dir: str, batches: tuple[int, ...] = (1, 128), tokens: 
     try:
         for batch in batches:
             prompts = [[1, 5 + i % 50, 7, 9, 11, 13, 15, 17] for i in range(batch)]
-            engine.generate(prompts, spec)
+            engine.generate(GenerateRequest(prompts, spec))
             start = time.perf_counter()
-            engine.generate(prompts, spec)
+            engine.generate(GenerateRequest(prompts, spec))
             out[batch] = (time.perf_counter() - start) / tokens * 1000
     finally:
         engine.close()

@@ -101,20 +101,22 @@ def resolve_cpus_per_worker(config: Config, local: bool) -> None:
     training workers placed there, at least 1 (`shared_cpus`). That value is the Ray resource each worker
     claims, the torch (and vLLM) thread count it runs with (roles.build_roles) and what the plan prints.
 
-    - a local cluster (started here): floor(cores / workers) with cores = `local_cores()`; the cluster then
+    - a local cluster (started here): floor((cores - engine actors' CPUs) / workers) with cores =
+      `local_cores()`; the cluster then
       declares logical CPUs for the workers, GenRM replicas and data tasks on top (`connect`);
     - a running cluster: the node with the most CPUs (among GPU nodes when the run uses GPUs) holds
       `workers_on_node` workers: min(workers, its GPUs) with GPUs, else all of them (PACK) or an even share
-      over the nodes (SPREAD). Each gets floor((node CPUs - the data tasks' CPU) / (those workers + the GenRM
-      replicas)), and no more than the cores of this machine allow when the node is this machine (a test
+      over the nodes (SPREAD). Each gets floor((node CPUs - the data tasks' CPU [- the engine actors' CPUs on
+      a CPU-only cluster]) / (those workers + the GenRM replicas)), and no more than the cores of this machine allow when the node is this machine (a test
       cluster may declare more logical CPUs than cores).
     """
     c = config.cluster
     if c.cpus_per_worker is not None:
         return
     workers = config.train.dp_size * config.train.tp_size
+    engine_cpus = config.placement.rollout_engines * config.placement.cpus_per_engine  # engine actors' own
     if local:
-        c.cpus_per_worker = shared_cpus(local_cores(), workers)
+        c.cpus_per_worker = shared_cpus(local_cores() - engine_cpus, workers)
         return
     import ray
 
@@ -133,7 +135,7 @@ def resolve_cpus_per_worker(config: Config, local: bool) -> None:
         on_node = workers if c.placement_strategy == "PACK" else -(-workers // len(candidates))
     with_genrm = config.reward.mode != "rule"
     genrm = genrm_replica_count(config, use_gpu) if with_genrm else 0
-    share = shared_cpus(node["Resources"]["CPU"] - DATA_CPUS, on_node + genrm)
+    share = shared_cpus(node["Resources"]["CPU"] - DATA_CPUS - engine_cpus * (not use_gpu), on_node + genrm)
     if node.get("NodeManagerAddress") == ray.util.get_node_ip_address():
         share = min(share, shared_cpus(local_cores(), on_node))
     c.cpus_per_worker = share
@@ -151,7 +153,8 @@ def _logical_cpus_needed(config: Config) -> int:
 
     cpus = config.cluster.cpus_per_worker or 1
     genrm = genrm_replica_count(config, bool(config.cluster.use_gpu)) if config.reward.mode != "rule" else 0
-    return (config.train.dp_size * config.train.tp_size + genrm) * cpus + DATA_CPUS + 1
+    engines = config.placement.rollout_engines * config.placement.cpus_per_engine
+    return (config.train.dp_size * config.train.tp_size + genrm) * cpus + engines + DATA_CPUS + 1
 
 
 @contextlib.contextmanager

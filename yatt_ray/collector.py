@@ -33,7 +33,7 @@ from yatt_ray.model_dir import ImageLayout
 from yatt_ray.prompts import PromptEncoder
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
-from yatt_ray.rollout.base import SamplingSpec
+from yatt_ray.rollout.base import GenerateRequest, Images, SamplingSpec, complete
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class RolloutCollector:
         batch.greedy_rewards = greedy
         batch.counters = {
             **self.scorer.take_stats(),
+            **(self.engine.take_stats() if hasattr(self.engine, "take_stats") else {}),  # engine actors
             "rollout/aborted_prompts": float(counts["aborted"]),  # stopped in the engine
             "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished but not needed
             "data/queued_prompts": float(len(self.feed.queue)),
@@ -240,14 +241,14 @@ class RolloutCollector:
         )  # waited for
         abort = need < len(rows)
         callback = abort or stream_to_genrm
-        completions = self.engine.generate(
+        request = GenerateRequest(
             [e.ids for e in encoded],
             spec,
-            on_finished=finished if callback else None,
+            images=self.images(encoded),
             finish_after=need if abort else None,
             wait_for=pinned if abort else frozenset(),
-            **self.images(encoded),
         )
+        completions = self.engine.generate(request, finished if callback else None)
         done, aborted = split_finished(order if callback else list(range(len(rows))), len(rows), pinned)
         groups = [
             Group(rows[i], encoded[i].ids, encoded[i].clipped, completions[i], samples_of(i, completions[i]),
@@ -268,11 +269,9 @@ class RolloutCollector:
     def _greedy_baseline(self, step: int, groups: list[Group]) -> torch.Tensor:
         """ReMax's baseline: the reward of one greedy response per prompt, [len(groups)]."""
         with self.timer.phase("rollout"):
-            outs = self.engine.generate(
-                [g.prompt_ids for g in groups],
-                replace(self.sampling(), n=1, temperature=0.0),
-                **self.images(groups),
-            )
+            greedy = replace(self.sampling(), n=1, temperature=0.0)
+            request = GenerateRequest([g.prompt_ids for g in groups], greedy, images=self.images(groups))
+            outs = complete(self.engine.generate(request))
         samples = [
             replace(g.samples[0], key=f"{step}/{self.dp_rank}/g{i}", response=self.decode(out[0].token_ids))
             for i, (g, out) in enumerate(zip(groups, outs))
@@ -295,11 +294,11 @@ class RolloutCollector:
         return batch
 
     # ---- shared with evaluation -----------------------------------------------------------------------------
-    def images(self, prompts: list) -> dict[str, Any]:
-        """The engine's `images` keyword for `prompts` (each with `.pixels`): {} for a text policy. An engine
-        that takes image features (vLLM) gets the policy's own, computed here once a prompt."""
+    def images(self, prompts: list) -> Images | None:
+        """A `GenerateRequest`'s `images` for `prompts` (each with `.pixels`): None for a text policy. An
+        engine that takes image features (vLLM) gets the policy's own, computed here once a prompt."""
         if self.prompts.layout is None:
-            return {}
+            return None
         pixels = [p.pixels for p in prompts]
         if getattr(self.engine, "takes_image_features", False):
             if self.image_features is None:
@@ -308,7 +307,7 @@ class RolloutCollector:
                 )
             features = self.image_features(pixels)
             pixels = [replace(p, features=f) for p, f in zip(pixels, features)]
-        return {"images": pixels}
+        return pixels
 
     def sampling(self) -> SamplingSpec:
         r = self.config.rollout
@@ -339,7 +338,8 @@ class RolloutCollector:
             rows = [{c: v[i] for c, v in batch.items()} for i in range(len(batch["prompt"]))]
             rows = [r for r in rows if not r.get(IMAGE_ERROR)]  # images that did not load: not scored
             encoded = [self.prompts.encode(r) for r in rows]
-            outs = self.engine.generate([e.ids for e in encoded], spec, **self.images(encoded))
+            request = GenerateRequest([e.ids for e in encoded], spec, images=self.images(encoded))
+            outs = complete(self.engine.generate(request))
             items = [
                 (self.decode(group[0].token_ids), str(r["ground_truth"]), str(r["data_source"]))
                 for group, r in zip(outs, rows)

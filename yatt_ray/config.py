@@ -26,6 +26,7 @@ RewardMode = Literal["rule", "genrm", "mix"]
 ParseErrorPolicy = Literal["zero", "rule", "raise"]
 RewardErrorPolicy = Literal["raise", "zero"]
 PlacementMode = Literal["full", "partial", "disaggregated"]
+WeightTransport = Literal["auto", "object_store", "broadcast"]
 PlacementStrategy = Literal["PACK", "SPREAD"]
 AlgoName = Literal["grpo", "ppo", "rloo", "reinforce_pp", "remax"]  # each names its estimator; ppo: gae
 WandbMode = Literal["", "online", "offline", "disabled"]
@@ -112,6 +113,9 @@ class RolloutConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     weight_sync_bucket_mb: int = 64
+    # engine actors (placement.rollout_engines): how weights reach them; auto = the object store on the
+    # pusher's node, a broadcast group (gloo / NCCL) to other nodes
+    weight_transport: WeightTransport = "auto"
     kv_cache_gb: float = 1.0
     # fixed-length generation for throughput runs: no stop at EOS (or any stop token), every completion runs
     # to max_new_tokens (finish_reason "length"); the tokens after an EOS are scored and trained on as they are
@@ -181,9 +185,15 @@ class PlacementConfig(_Section):
       finish), the replicas following the judging load between `reward.genrm.replicas` and one per training
       accelerator; then both release memory and every accelerator trains;
     disaggregated: GenRM replicas on accelerators of their own that never train (`reward.genrm.replicas` ..
-      `max_replicas` x `accelerators_per_replica`), judging while rollouts generate."""
+      `max_replicas` x `accelerators_per_replica`), judging while rollouts generate; and/or, with
+      `rollout_engines` > 0, the rollout engines as actors on accelerators of their own (one each; on CPUs
+      `cpus_per_engine` CPUs each) that every controller reaches through one router (rollout/pool.py).
+    Elsewhere (and with rollout_engines = 0) each controller's engine lives in its own process, beside its
+    trainer: the fastest form when the two share an accelerator (weights move in memory)."""
 
     mode: PlacementMode = "full"
+    rollout_engines: int = 0  # disaggregated: engine actors on accelerators of their own (0: in-process)
+    cpus_per_engine: int = 1  # an engine actor's CPUs (its torch threads on a CPU-only cluster)
     genrm_share: float = (
         0.1  # full, partial: the part of each GPU's Ray resource a GenRM replica claims (a token)
     )
@@ -649,7 +659,16 @@ def _reward_errors(rw: RewardConfig) -> list[str]:
 
 
 def _placement_errors(p: PlacementConfig) -> list[str]:
-    return _failed([(0 < p.genrm_share < 1, f"placement.genrm_share={p.genrm_share} must be in (0, 1)")])
+    engines = p.rollout_engines
+    return _failed([
+        (0 < p.genrm_share < 1, f"placement.genrm_share={p.genrm_share} must be in (0, 1)"),
+        (engines >= 0, f"placement.rollout_engines={engines} must be >= 0 (0: in-process engines)"),
+        (p.cpus_per_engine >= 1, f"placement.cpus_per_engine={p.cpus_per_engine} must be >= 1"),
+        (not engines or p.mode == "disaggregated",
+         f"placement.rollout_engines={engines} puts the rollout engines on accelerators of their own, which "
+         f"only placement.mode=disaggregated has (mode={p.mode!r} shares the training accelerators, where each "
+         "controller's engine lives in its own process); set placement.mode=disaggregated or rollout_engines=0"),
+    ])  # fmt: skip
 
 
 def _cluster_errors(c: ClusterConfig) -> list[str]:

@@ -61,7 +61,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
         controller = GroupController(config, layout, roles)
         controller.open_checkpoints(loop_config)  # the prompt streams start reading here ...
         mark("data_opened")
-        controller.attach_engine(start_engine(config, layout.dp_rank) if layout.is_controller else None)
+        engine = None
+        if layout.is_controller:
+            engine = start_engine(config, layout, roles.policy, loop_config.get("engines"))
+        controller.attach_engine(engine)
         mark("engine_started")  # ... while the engine loads
         controller.run()
 
@@ -364,14 +367,20 @@ class GroupController:
         return float(total.item())
 
     def sync_weights(self) -> None:
-        """Trainer -> engine, in buckets, in this process; non-controller ranks join the TP gather only."""
+        """Trainer -> engine, in buckets; non-controller ranks join the TP gather only. In-process engines take
+        them in memory. Engine actors (`rollout/pool.py`) take them from group 0 alone, and every rank waits
+        for that push before any controller asks for the new version."""
         bucket_bytes = self.config.rollout.weight_sync_bucket_mb * 2**20
         engine = None if self.collector is None else self.collector.engine
-        for bucket in self.policy.iter_hf_buckets(bucket_bytes):
-            if engine is not None:
-                engine.load_weights(bucket)
+        pooled = self.config.placement.rollout_engines > 0
+        if not pooled or self.layout.dp_rank == 0:
+            for bucket in self.policy.iter_hf_buckets(bucket_bytes):
+                if engine is not None:
+                    engine.load_weights(bucket)
         if engine is not None:
-            engine.finish_weight_sync()
+            engine.finish_weight_sync()  # engine actors: group 0's pushes the version, the others move to it
+        if pooled:
+            dist.barrier()  # the push is complete before any controller generates again
 
     # ---- evaluation and reporting -------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -281,7 +281,9 @@ def _run(
         from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
     hub, control = start_hub(), start_control()
-    trainer = _trainer(config, plan, files, real_gpus, output_dir, {"hub": hub, "control": control})
+    engines = _start_engines(config, plan)
+    actors = {"hub": hub, "control": control, "engines": engines}
+    trainer = _trainer(config, plan, files, real_gpus, output_dir, actors)
     progress = DriverProgress(hub, config, output_dir, startup)
     outcome: dict[str, Any] = {}
     thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
@@ -311,6 +313,10 @@ def _run(
         signals.close()
         if plan.genrm is not None:
             shutdown_genrm()
+        if engines is not None:
+            from yatt_ray.rollout.pool import stop_engine_pool
+
+            stop_engine_pool(engines)
         redone = progress.curve.redone
         if redone:
             log.warning("%d steps were redone after a restart; the metrics keep their last version", redone)
@@ -332,6 +338,25 @@ def _run(
 
 
 TRAIN_POLL_S = 0.5
+
+
+def _start_engines(config: Config, plan):
+    """Disaggregated rollout engines (`placement.rollout_engines`): the actors and their router, started before
+    the trainers (None: each controller starts its engine in its own process)."""
+    if plan.engines is None:
+        return None
+    from yatt_ray.roles import engine_kwargs
+    from yatt_ray.rollout.pool import start_engine_pool
+
+    print(f"starting {plan.engines.count} rollout engine actor(s)", flush=True)
+    return start_engine_pool(
+        config.rollout.engine,  # resolved to "vllm" or "hf"
+        config.model.path,
+        plan.engines.count,
+        plan.engines.resources(),
+        engine_kwargs(config, config.train.seed),
+        config.rollout.weight_transport,
+    )
 
 
 def _trainer(

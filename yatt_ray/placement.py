@@ -17,6 +17,10 @@ generative reward model (GenRM, a Ray Serve deployment) is placed by `placement.
   (a placement-group bundle per accelerator behind each Serve replica); up to `max_replicas` of them when
   the deployment autoscales. The trainers keep their slice for rollout and training; the GenRM slice never
   trains.
+  With `placement.rollout_engines = E > 0` the rollout engines leave the trainers too: E engine actors, one
+  accelerator each (on CPUs `cpus_per_engine` CPUs each), reached by every controller through one router
+  (`rollout/pool.py`); the trainers then only train. Elsewhere each controller's engine lives in its own
+  process beside its trainer (weights move in memory: the fastest form on a shared accelerator).
 
 Memory (checked when `placement.gpu_memory_gb` is set) is estimated per accelerator from the parameter
 counts. Per TP-local parameter a trainer holds (`trainer_bytes_per_param`) weights w = 4 (train.dtype=fp32)
@@ -65,6 +69,18 @@ class GenRMSlice:
 
 
 @dataclass(frozen=True)
+class EngineSlice:
+    """Rollout engine actors on resources of their own (disaggregated placement)."""
+
+    count: int
+    gpus: float  # 1 each on GPUs, 0 on CPUs
+    cpus: int
+
+    def resources(self) -> dict[str, float]:
+        return {"CPU": float(self.cpus), **({"GPU": self.gpus} if self.gpus else {})}
+
+
+@dataclass(frozen=True)
 class PlacementPlan:
     mode: str
     dp_size: int
@@ -72,6 +88,7 @@ class PlacementPlan:
     cpus_per_worker: int
     gpus_per_worker: float  # 1, 1 - genrm_share (full / partial coexistence with a GenRM), or 0 (CPU only)
     genrm: GenRMSlice | None = None
+    engines: EngineSlice | None = None  # None: each controller's engine in its own process
     with_reference: bool = True  # a frozen reference model beside the policy (algo.kl_coef > 0)
     with_critic: bool = False  # a value model beside the policy (critic.enable)
 
@@ -91,13 +108,15 @@ class PlacementPlan:
     def accelerators_needed(self) -> int:
         if not self.uses_gpus:
             return 0
+        engines = self.engines.count if self.engines else 0
         if self.mode != "disaggregated" or self.genrm is None:
-            return self.num_workers
-        return self.num_workers + self.genrm.max_replicas * self.genrm.accelerators_per_replica
+            return self.num_workers + engines
+        return self.num_workers + engines + self.genrm.max_replicas * self.genrm.accelerators_per_replica
 
     def cpus_needed(self) -> int:
         genrm = self.genrm.max_replicas * self.genrm.cpus if self.genrm else 0
-        return self.num_workers * self.cpus_per_worker + genrm + DATA_CPUS
+        engines = self.engines.count * self.engines.cpus if self.engines else 0
+        return self.num_workers * self.cpus_per_worker + genrm + engines + DATA_CPUS
 
     def roles(self) -> str:
         """What each training worker holds: "policy + reference + critic + optimizer" as built."""
@@ -110,7 +129,7 @@ class PlacementPlan:
             f"placement: {self.mode} coexistence, {self.num_workers} training worker(s) = dp {self.dp_size} x tp "
             f"{self.tp_size}, {self.accelerators_needed()} accelerator(s), {self.cpus_needed()} CPUs",
             f"  each worker: {self.cpus_per_worker} CPU, {device}; {self.roles()}",
-            f"  controllers: {self.dp_size} (tp rank 0 of each group), each with a colocated rollout engine",
+            f"  controllers: {self.dp_size} (tp rank 0 of each group), " + self._engines_line(),
         ]
         g = self.genrm
         if g is not None:
@@ -125,9 +144,25 @@ class PlacementPlan:
         lines.append("  per phase: " + self.phases())
         return "\n".join(lines)
 
+    def _engines_line(self) -> str:
+        e = self.engines
+        if e is None:
+            return "each with its rollout engine in its own process (weights in memory)"
+        where = f"{e.count} accelerator(s) of their own" if self.uses_gpus else f"{e.cpus} CPU(s) each"
+        return (
+            f"reaching {e.count} rollout engine actor(s) on {where} through one router (least-loaded; a "
+            "prompt's samples on one engine); weights pushed by group 0's controller"
+        )
+
     def phases(self) -> str:
         """Which roles hold the accelerators in each phase of a step."""
         trainers = f"{self.num_workers} training accelerator(s)" if self.uses_gpus else "the training workers"
+        if self.engines is not None:
+            own = (
+                f"{self.engines.count} engine accelerator(s)" if self.uses_gpus else "the engine actors' CPUs"
+            )
+            judging = "" if self.genrm is None else " while GenRM replicas judge on their own slice"
+            return f"rollout: engines on {own}{judging}; train: trainers on {trainers} ({own} idle)"
         if self.genrm is None:
             return f"rollout: engines on {trainers}; train: trainers on {trainers}"
         if self.mode == "full":
@@ -154,6 +189,7 @@ class PlacementPlan:
             raise PlacementError(
                 f"the plan needs {self.cpus_needed()} CPUs ({self.num_workers} workers x {self.cpus_per_worker}"
                 + (f" + GenRM {self.genrm.max_replicas} x {self.genrm.cpus}" if self.genrm else "")
+                + (f" + engines {self.engines.count} x {self.engines.cpus}" if self.engines else "")
                 + f" + {DATA_CPUS} for data) but the cluster has {have_cpu:g}. Lower train.dp_size / "
                 "train.tp_size or cluster.cpus_per_worker, or add nodes; for a demo on a small machine, logical CPUs "
                 f"may exceed the cores: `ray start --head --num-cpus={self.cpus_needed()}`."
@@ -161,6 +197,18 @@ class PlacementPlan:
         need = self.accelerators_needed()
         if have_gpu >= need:
             return
+        if self.engines is not None:
+            raise PlacementError(
+                f"disaggregated placement needs {need} GPUs: the trainer slice dp x tp = {self.num_workers}, "
+                f"placement.rollout_engines = {self.engines.count}"
+                + (
+                    f" and the GenRM slice {self.genrm.max_replicas} x {self.genrm.accelerators_per_replica}"
+                    if self.genrm
+                    else ""
+                )
+                + f", but the cluster has {have_gpu:g}. Lower placement.rollout_engines or train.dp_size, or set "
+                "placement.rollout_engines=0 (each controller's engine beside its trainer)."
+            )
         if self.mode == "disaggregated" and self.genrm is not None:
             g = self.genrm
             raise PlacementError(
@@ -198,10 +246,16 @@ def plan_placement(
     if use_gpu is None:
         use_gpu = cluster.get("GPU", 0.0) >= 1
     mode, with_genrm = config.placement.mode, config.reward.mode != "rule"
-    if mode != "full" and not with_genrm:
+    engines = config.placement.rollout_engines
+    if mode != "full" and not with_genrm and not engines:
         raise PlacementError(
             f"placement.mode={mode} places the GenRM beside the rollout engines, but reward.mode='rule' uses no "
             "GenRM; set reward.mode=genrm (or mix), or use placement.mode=full"
+            + (
+                " (or disaggregated rollout engines: placement.rollout_engines > 0)"
+                if mode != "partial"
+                else ""
+            )
         )
     if mode == "partial" and with_genrm:
         _check_partial(config)
@@ -211,9 +265,8 @@ def plan_placement(
         from yatt_ray.cluster import shared_cpus
 
         replicas = genrm_replica_count(config, use_gpu) if with_genrm else 0
-        cpus = shared_cpus(
-            cluster.get("CPU", 0.0) - DATA_CPUS, config.train.dp_size * config.train.tp_size + replicas
-        )
+        free = cluster.get("CPU", 0.0) - DATA_CPUS - engines * config.placement.cpus_per_engine
+        cpus = shared_cpus(free, config.train.dp_size * config.train.tp_size + replicas)
     plan = PlacementPlan(
         mode=mode,
         dp_size=config.train.dp_size,
@@ -221,6 +274,9 @@ def plan_placement(
         cpus_per_worker=cpus,
         gpus_per_worker=(1.0 - share) if use_gpu else 0.0,
         genrm=_genrm_slice(config, use_gpu, cpus) if with_genrm else None,
+        engines=EngineSlice(engines, 1.0 if use_gpu else 0.0, config.placement.cpus_per_engine)
+        if engines
+        else None,
         with_reference=config.algo.kl_coef > 0,  # as roles.build_roles builds the policy
         with_critic=config.critic.enable,
     )

@@ -148,16 +148,35 @@ def eval_rows(config: Config, layout: Layout, eval_files: list[str]) -> EvalRows
     return EvalRows(config.data, eval_files, layout.dp_rank, layout.dp_size, pixels)
 
 
-def start_engine(config: Config, dp_rank: int):
-    """The controller's rollout engine (a `RolloutEngine`), in the trainer's dtype. Started after the prompt
-    streams opened, so Ray Data's first read runs while the engine loads (`yatt_ray.metrics.startup`)."""
-    from yatt_ray.rollout import ENGINE_DTYPES, make_engine
+def engine_kwargs(config: Config, seed: int) -> dict[str, Any]:
+    """What every rollout engine of this run is built with (in-process or an engine actor)."""
+    from yatt_ray.rollout import ENGINE_DTYPES
 
-    return make_engine(
-        config.rollout.engine,  # resolved to "vllm" or "hf" by the driver
-        config.model.path,
-        seed=config.train.seed + dp_rank,
-        dtype=ENGINE_DTYPES[config.train.dtype],  # the engine generates in the trainer's dtype
-        kv_cache_gb=config.rollout.kv_cache_gb,
-        max_model_len=config.data.max_prompt_tokens + config.rollout.max_new_tokens,
-    )
+    return {
+        "seed": seed,
+        "dtype": ENGINE_DTYPES[config.train.dtype],  # the engine generates in the trainer's dtype
+        "kv_cache_gb": config.rollout.kv_cache_gb,
+        "max_model_len": config.data.max_prompt_tokens + config.rollout.max_new_tokens,
+    }
+
+
+def start_engine(config: Config, layout: Layout, policy: Any = None, pool: Any = None):
+    """The controller's rollout engine (a `RolloutEngine`), in the trainer's dtype. Started after the prompt
+    streams opened, so Ray Data's first read runs while the engine loads (`yatt_ray.metrics.startup`).
+
+    With engine actors (`pool`: the driver's `EngineHandles`), an `EnginePool` over them: data-parallel group
+    0's controller pushes the weights, and with tp_size 1 any controller can push them to a restarted engine
+    itself (`policy`'s buckets)."""
+    from yatt_ray.rollout import make_engine
+
+    seed = config.train.seed + layout.dp_rank
+    if pool is None:
+        kind = config.rollout.engine  # resolved to "vllm" or "hf" by the driver
+        return make_engine(kind, config.model.path, **engine_kwargs(config, seed))
+    from yatt_ray.rollout.pool import EnginePool
+
+    bucket_bytes = config.rollout.weight_sync_bucket_mb * 2**20
+    weights = None
+    if config.train.tp_size == 1 and policy is not None:
+        weights = lambda: policy.iter_hf_buckets(bucket_bytes)  # noqa: E731
+    return EnginePool(pool, pusher=layout.dp_rank == 0, weights=weights, seed=seed)

@@ -97,10 +97,10 @@ def test_hf_export_loads_in_transformers_and_vllm(first_run):
     hf_tokens = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :]
 
     def vllm_greedy(path: str, ids: list[int]) -> list[int]:
-        from yatt_ray.rollout import SamplingSpec, make_engine
+        from yatt_ray.rollout import GenerateRequest, SamplingSpec, make_engine
 
         engine = make_engine("vllm", path, seed=0, kv_cache_gb=1.0)
-        out = engine.generate([ids], SamplingSpec(n=1, max_new_tokens=4, temperature=0.0))
+        out = engine.generate(GenerateRequest([ids], SamplingSpec(n=1, max_new_tokens=4, temperature=0.0)))
         return list(out[0][0].token_ids)
 
     task = ray.remote(num_cpus=1)(vllm_greedy).remote(export, prompt)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import yatt_ray
+from yatt_ray.testing.drills import committed_steps, kill_training_worker, prompt_audit, when
 
 pytestmark = pytest.mark.cluster
 
@@ -56,7 +57,18 @@ def full(ray_cluster, demo_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def disaggregated(ray_cluster, demo_cache, tmp_path_factory):
-    return genrm_run(tmp_path_factory.mktemp("disaggregated"), "disaggregated", *SHORT)
+    """The judge on a slice of its own, and a training worker killed after the first checkpoint (the run
+    restarts from it): the drill for this placement's data position."""
+    out = tmp_path_factory.mktemp("disaggregated")
+    ckpt = str(out / "ckpt")
+    killed: list[int] = []
+    when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
+    result = genrm_run(
+        out, "disaggregated", *SHORT, "train.steps=6", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=2",
+        "checkpoint.log_prompt_ids=true",
+    )  # fmt: skip
+    assert killed and result.metric("checkpoint/resumed_from"), "the drill did not restart the run"
+    return result
 
 
 def roles_by_accelerator(result) -> dict[str, set[str]]:
@@ -102,7 +114,9 @@ def test_partial_puts_the_judges_on_the_training_accelerators(partial):
 
 
 def test_disaggregated_places_the_judge_on_its_own_accelerator(disaggregated):
-    assert_judged_cleanly(disaggregated, 4)
+    assert_judged_cleanly(disaggregated, 6)
+    audit = prompt_audit(disaggregated.checkpoint_dir)  # through the killed worker: each prompt once
+    assert audit.steps == 6 and audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
     placed = roles_by_accelerator(disaggregated)
     trainers, judges = split_by_role(placed)
     assert len(trainers) == 2 and len(judges) == 1, placed

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from yatt_ray.batch import pack
 from yatt_ray.models.tiny import EOS_ID, build_tiny_model
-from yatt_ray.rollout.base import SamplingSpec
+from yatt_ray.rollout.base import GenerateRequest, SamplingSpec
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PROMPTS = [[1, 5, 6, 76, 7, 8, 84], [1, 13, 76, 14, 84], [1, 9, 9, 76, 4 + 1, 84]]
@@ -53,12 +53,12 @@ def test_engine_matches_trainer_after_step_and_sync(world, tmp_path):
 
         policy.train_step(batch, loss_fn, micro_batch_size=3)
         spec = SamplingSpec(n=1, max_new_tokens=8, temperature=0.0, stop_token_ids=(EOS_ID,))
-        stale = [c[0].token_ids for c in engine.generate(PROMPTS, spec)]
+        stale = [c[0].token_ids for c in engine.generate(GenerateRequest(PROMPTS, spec))]
 
         for bucket in policy.iter_hf_buckets(bucket_bytes=64 * 1024):  # many small buckets
             engine.load_weights(bucket)
         engine.finish_weight_sync()
-        outs = [c[0] for c in engine.generate(PROMPTS, spec)]
+        outs = [c[0] for c in engine.generate(GenerateRequest(PROMPTS, spec))]
 
         policy.save_hf(tmp_path / "exported")
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()

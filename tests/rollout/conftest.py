@@ -17,6 +17,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/yatt_ray/inductor"))
 
 from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model  # noqa: E402
+from yatt_ray.rollout.base import GenerateRequest  # noqa: E402
 
 
 def pytest_configure(config):
@@ -106,7 +107,9 @@ def check_greedy(engine, model, max_new_tokens: int = 12, prompts=PROMPTS):
     LOGPROB_ATOL of the teacher-forced reference; returns the completions."""
     from yatt_ray.rollout import SamplingSpec
 
-    outs = engine.generate(prompts, SamplingSpec(n=1, max_new_tokens=max_new_tokens, temperature=0.0))
+    outs = engine.generate(
+        GenerateRequest(prompts, SamplingSpec(n=1, max_new_tokens=max_new_tokens, temperature=0.0))
+    )
     assert len(outs) == len(prompts)
     for prompt, group in zip(prompts, outs):
         (completion,) = group
@@ -146,11 +149,15 @@ def check_ignore_eos(engine, prompts=PROMPTS) -> None:
     from yatt_ray.rollout import SamplingSpec
 
     base = SamplingSpec(n=3, max_new_tokens=8, seed=4, stop_token_ids=(EOS_ID, 50))
-    flat = [c for group in engine.generate(prompts, replace(base, ignore_eos=True)) for c in group]
+    flat = [
+        c
+        for group in engine.generate(GenerateRequest(prompts, replace(base, ignore_eos=True)))
+        for c in group
+    ]
     assert len(flat) == 3 * len(prompts)
     assert all(len(c.token_ids) == len(c.logprobs) == 8 and c.finish_reason == "length" for c in flat)
     assert any(EOS_ID in c.token_ids[:-1] for c in flat), "EOS is likely: some completion must hold one"
-    stopped = [c for group in engine.generate(prompts, base) for c in group]
+    stopped = [c for group in engine.generate(GenerateRequest(prompts, base)) for c in group]
     assert any(c.finish_reason == "stop" and len(c.token_ids) < 8 for c in stopped)
 
 
@@ -185,12 +192,14 @@ def check_finish_after(engine, spec, k: int, expected=None, prompts=TAIL_PROMPTS
     `last_aborted` counts the Nones; and the next call gives the reference again (no leftovers).
     Returns (outs, reference, the prompt indices in `on_finished` order).
     """
-    reference = engine.generate(prompts, spec)
+    reference = engine.generate(GenerateRequest(prompts, spec))
     assert engine.last_aborted == 0
     lengths = group_lengths(reference)
     want = (expected or first_k_finished)(lengths, k)
     seen: list[int] = []
-    outs = engine.generate(prompts, spec, on_finished=lambda i, g: seen.append(i), finish_after=k)
+    outs = engine.generate(
+        GenerateRequest(prompts, spec, finish_after=k), on_finished=lambda i, g: seen.append(i)
+    )
     assert len(outs) == len(prompts)
     finished = {i for i, group in enumerate(outs) if group is not None}
     assert finished == want, (finished, want, lengths)
@@ -207,7 +216,7 @@ def check_finish_after(engine, spec, k: int, expected=None, prompts=TAIL_PROMPTS
         ]
         for c, r in zip(group, reference[i]):
             torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
-    again = engine.generate(prompts, spec)
+    again = engine.generate(GenerateRequest(prompts, spec))
     assert engine.last_aborted == 0
     assert token_ids(again) == token_ids(reference)
     return outs, reference, seen

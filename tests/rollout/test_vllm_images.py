@@ -22,7 +22,7 @@ from yatt_ray.models.tiny_qwen_vl import (
     build_image_processor,
     build_tiny_qwen_vl,
 )
-from yatt_ray.rollout import SamplingSpec
+from yatt_ray.rollout import GenerateRequest, SamplingSpec
 from yatt_ray.rollout.vllm_engine import image_request
 
 S, P, E = VISION_START_ID, IMAGE_TOKEN_ID, VISION_END_ID
@@ -197,7 +197,7 @@ def _hf_logprobs(model, prompt, tokens, pix):
 def _check_against(engine, model, images):
     """The engine's greedy batch == transformers per prompt (with the pixels behind the features), log-probs
     within LOGPROB_ATOL of its teacher-forced forward; returns the (tokens, log-probs) per prompt."""
-    outs = engine.generate(PROMPTS, GREEDY, images=images)
+    outs = engine.generate(GenerateRequest(PROMPTS, GREEDY, images=images))
     got = []
     for prompt, pix, (c,) in zip(PROMPTS, images, outs):
         assert c.token_ids == _hf_greedy(model, prompt, pix, GREEDY.max_new_tokens)
@@ -235,15 +235,19 @@ def test_greedy_with_image_features_matches_transformers(vl):
     outs = _check_against(engine, hf[0], images)
     assert sum(len(tokens) for tokens, _ in outs) > 4  # not just EOS everywhere
     # streamed (step by step) and after sleep / wake the same; other images' features change the image prompts only
-    streamed = engine.generate(PROMPTS, GREEDY, images=images, on_finished=lambda i, g: None)
+    streamed = engine.generate(GenerateRequest(PROMPTS, GREEDY, images=images), on_finished=lambda i, g: None)
     assert [(c.token_ids, c.logprobs) for (c,) in streamed] == outs
     assert engine.sleep() > 0  # the KV cache released and restored: the same again
     engine.wake()
-    assert [(c.token_ids, c.logprobs) for (c,) in engine.generate(PROMPTS, GREEDY, images=images)] == outs
+    assert [
+        (c.token_ids, c.logprobs) for (c,) in engine.generate(GenerateRequest(PROMPTS, GREEDY, images=images))
+    ] == outs
     other = _with_features(
         [_images(s, 100 + k) if s else p for k, (s, p) in enumerate(zip(SIZES, PIXELS))], encoders[0]
     )
-    moved = [(c.token_ids, c.logprobs) for (c,) in engine.generate(PROMPTS, GREEDY, images=other)]
+    moved = [
+        (c.token_ids, c.logprobs) for (c,) in engine.generate(GenerateRequest(PROMPTS, GREEDY, images=other))
+    ]
     for i in (0, 1):
         assert moved[i][0] != outs[i][0] or max(abs(a - b) for a, b in zip(moved[i][1], outs[i][1])) > 1e-3
     assert moved[2:] == outs[2:]
@@ -257,7 +261,7 @@ def test_the_image_token_is_never_sampled(vl):
     _, hf, encoders, engine = vl
     images = _with_features(PIXELS[:1], encoders[0])
     spec = SamplingSpec(n=64, max_new_tokens=16, temperature=2.0, seed=3, ignore_eos=True)
-    (group,) = engine.generate(PROMPTS[:1], spec, images=images)
+    (group,) = engine.generate(GenerateRequest(PROMPTS[:1], spec, images=images))
     tokens = [t for c in group for t in c.token_ids]
     assert len(tokens) == 1024 and P not in tokens
     prompt, pix = PROMPTS[0], PIXELS[0]
@@ -288,7 +292,7 @@ def test_a_sync_of_language_weights_switches_to_the_other_model(vl):
     from yatt_ray.train.qwen_vl import split_qwen_vl_state_dict
 
     dirs, hf, encoders, engine = vl
-    before = engine.generate(PROMPTS, GREEDY, images=_with_features(PIXELS, encoders[0]))
+    before = engine.generate(GenerateRequest(PROMPTS, GREEDY, images=_with_features(PIXELS, encoders[0])))
     old_lm, _ = split_qwen_vl_state_dict(read_hf_state_dict(dirs[0]))
     new_lm, new_vision = split_qwen_vl_state_dict(read_hf_state_dict(dirs[1]))
     assert "lm_head.weight" not in new_lm and all(k.startswith("model.") for k in new_lm)
@@ -304,7 +308,7 @@ def test_a_sync_of_language_weights_switches_to_the_other_model(vl):
     finally:
         engine.load_weights(old_lm.items())
         engine.finish_weight_sync()
-    again = engine.generate(PROMPTS, GREEDY, images=_with_features(PIXELS, encoders[0]))
+    again = engine.generate(GenerateRequest(PROMPTS, GREEDY, images=_with_features(PIXELS, encoders[0])))
     assert [(c.token_ids, c.logprobs) for (c,) in again] == [(c.token_ids, c.logprobs) for (c,) in before]
 
 
@@ -312,14 +316,17 @@ def test_image_prompt_errors(vl):
     _, _, encoders, engine = vl
     images = _with_features(PIXELS[:1], encoders[0])
     with pytest.raises(DataError, match=r"prompt 0 holds image-token runs .* of \[7\] .* need runs of \[8\]"):
-        engine.generate([[t for i, t in enumerate(PROMPTS[0]) if i != 4]], GREEDY, images=images)
+        engine.generate(
+            GenerateRequest([[t for i, t in enumerate(PROMPTS[0]) if i != 4]], GREEDY, images=images)
+        )
     with pytest.raises(DataError, match=r"came with no images"):
-        engine.generate(PROMPTS[:1], GREEDY)
+        engine.generate(GenerateRequest(PROMPTS[:1], GREEDY))
     with pytest.raises(ConfigError, match="MegatronPolicy.image_features"):
-        engine.generate(PROMPTS[:1], GREEDY, images=PIXELS[:1])
+        engine.generate(GenerateRequest(PROMPTS[:1], GREEDY, images=PIXELS[:1]))
     with pytest.raises(ConfigError, match=r"one entry .* per prompt: 2 prompts, images 1"):
-        engine.generate(PROMPTS[:2], GREEDY, images=images)
+        GenerateRequest(PROMPTS[:2], GREEDY, images=images)  # checked by the request itself
     with pytest.raises(ConfigError, match=r"images\[0\] is a Tensor"):
-        engine.generate(PROMPTS[:1], GREEDY, images=[PIXELS[0].values])
-    (group,) = engine.generate(PROMPTS[:1], GREEDY, images=images)  # the engine is still usable
+        engine.generate(GenerateRequest(PROMPTS[:1], GREEDY, images=[PIXELS[0].values]))
+    # the engine is still usable
+    (group,) = engine.generate(GenerateRequest(PROMPTS[:1], GREEDY, images=images))
     assert group[0].token_ids

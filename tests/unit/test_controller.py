@@ -59,10 +59,12 @@ class FakeEngine:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
 
-    def generate(self, prompts, spec, on_finished=None, finish_after=None, wait_for=frozenset()):
+    def generate(self, request, on_finished=None):
         """Without `finish_after`, every prompt in order; with it, the last prompts finish first (the long tail
         is at the front) and the engine stops after `finish_after` of them, the rest aborted (None)."""
         self.log.append("generate")
+        prompts, spec = request.prompts, request.spec
+        finish_after, wait_for = request.finish_after, request.wait_for
         groups: list = [
             [Completion(self._ids(str(3 + j)), [-0.5, -0.5], "stop") for j in range(spec.n)] for _ in prompts
         ]

@@ -117,6 +117,43 @@ def test_disaggregated_without_room_for_the_judge():
         plan_placement(config, {"CPU": 16.0, "GPU": 3.0})
 
 
+def test_disaggregated_rollout_engines_get_accelerators_of_their_own():
+    """Engine actors: one accelerator each beside the trainers' (and the judges' slice when there is one);
+    the plan says which engines the controllers use; too few GPUs is refused with the numbers."""
+    engines = (
+        "placement.mode=disaggregated",
+        "placement.rollout_engines=3",
+        "train.dp_size=2",
+        "cluster.cpus_per_worker=1",
+    )
+    plan = plan_placement(cfg(*engines, "train.prompts_per_step=4"), {"CPU": 16.0, "GPU": 5.0})
+    assert plan.engines is not None and plan.engines.resources() == {"CPU": 1.0, "GPU": 1.0}
+    assert plan.accelerators_needed() == 5 and plan.cpus_needed() == 2 + 3 + 1
+    text = plan.describe()
+    assert "reaching 3 rollout engine actor(s) on 3 accelerator(s) of their own through one router" in text
+    assert "rollout: engines on 3 engine accelerator(s); train: trainers on 2 training accelerator(s)" in text
+    with pytest.raises(
+        PlacementError, match=r"needs 6 GPUs: .*rollout_engines = 3 and the GenRM slice 1 x 1"
+    ):
+        plan_placement(cfg(*engines, *GENRM[:1], "train.prompts_per_step=4"), {"CPU": 16.0, "GPU": 5.0})
+    cpu = plan_placement(
+        cfg(*engines, "train.prompts_per_step=4", "placement.cpus_per_engine=2"), {"CPU": 16.0}
+    )
+    assert (
+        cpu.engines is not None and cpu.engines.resources() == {"CPU": 2.0} and cpu.cpus_needed() == 2 + 6 + 1
+    )
+    colocated = plan_placement(cfg(*GENRM), {"CPU": 16.0, "GPU": 2.0})
+    assert colocated.engines is None and "rollout engine in its own process" in colocated.describe()
+
+
+def test_rollout_engines_outside_disaggregated_are_refused():
+    from yatt_ray import ConfigError
+
+    for mode in ("full", "partial"):
+        with pytest.raises(ConfigError, match=f"only placement.mode=disaggregated has \\(mode='{mode}'"):
+            cfg(f"placement.mode={mode}", "placement.rollout_engines=1")
+
+
 def test_partial_coexistence_needs_a_judge():
     with pytest.raises(PlacementError, match="reward.mode='rule' uses no GenRM; set reward.mode=genrm"):
         plan_placement(cfg("placement.mode=partial"), {"CPU": 16.0, "GPU": 3.0})

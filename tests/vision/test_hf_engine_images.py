@@ -19,7 +19,7 @@ from yatt_ray.models.tiny_qwen_vl import (
     build_tiny_qwen_vl,
 )
 from yatt_ray.models.tiny_vlm import IMAGE_TOKEN_ID
-from yatt_ray.rollout import SamplingSpec
+from yatt_ray.rollout import GenerateRequest, SamplingSpec
 from yatt_ray.rollout.hf_engine import HFEngine
 from yatt_ray.train.model import read_hf_state_dict
 from yatt_ray.train.qwen_vl import join_qwen_vl_state_dict, qwen_vl_layout, split_qwen_vl_state_dict
@@ -74,7 +74,7 @@ def _hf_logprobs(model, prompt, tokens, pixel_values):
 
 def _check_against(engine, model, images, spec=GREEDY):
     """Engine greedy == HF generate per prompt, token for token; log-probs == teacher-forced HF."""
-    outs = engine.generate(PROMPTS, spec, images=images)
+    outs = engine.generate(GenerateRequest(PROMPTS, spec, images=images))
     for prompt, pix, (completion,) in zip(PROMPTS, images, outs):
         assert completion.token_ids == _hf_greedy(model, prompt, pix, spec.max_new_tokens)
         want = _hf_logprobs(model, prompt, completion.token_ids, pix)
@@ -101,7 +101,7 @@ def test_images_are_used(engine, pixels):
 
 
 def _check_images_run(engine, images):
-    outs = engine.generate(PROMPTS, GREEDY, images=images)
+    outs = engine.generate(GenerateRequest(PROMPTS, GREEDY, images=images))
     return [c.token_ids for (c,) in outs], [c.logprobs for (c,) in outs]
 
 
@@ -110,7 +110,9 @@ def test_sampled_rows_see_their_prompt_images(vlm_dir, hf_vlm, pixels):
     small = HFEngine(vlm_dir, seed=0, max_batch_size=3)
     images = _images(pixels, 0)
     try:
-        outs = small.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=6, seed=3), images=images)
+        outs = small.generate(
+            GenerateRequest(PROMPTS, SamplingSpec(n=2, max_new_tokens=6, seed=3), images=images)
+        )
     finally:
         small.close()
     for prompt, pix, group in zip(PROMPTS, images, outs):
@@ -159,19 +161,21 @@ def test_weight_sync_covers_projector_tower_and_language_model(engine, vlm_dir, 
 def test_image_errors(engine, tmp_path, pixels):
     one = Pixels(pixels(1, 0))
     with pytest.raises(DataError, match=r"prompt 0: the prompt holds 16 image tokens .* 0 image"):
-        engine.generate(PROMPTS[:1], GREEDY)
+        engine.generate(GenerateRequest(PROMPTS[:1], GREEDY))
     with pytest.raises(DataError, match=r"prompt 0: .* 2 image\(s\)"):
-        engine.generate(PROMPTS[:1], GREEDY, images=[Pixels(pixels(2, 0))])
+        engine.generate(GenerateRequest(PROMPTS[:1], GREEDY, images=[Pixels(pixels(2, 0))]))
     with pytest.raises(ConfigError, match="one entry .* per prompt: 2 prompts, images 1"):
-        engine.generate(PROMPTS[:2], GREEDY, images=[one])
+        GenerateRequest(PROMPTS[:2], GREEDY, images=[one])  # checked by the request itself
     with pytest.raises(ConfigError, match=r"images\[0\] has shape \(1, 3, 48, 48\).*\[I, 3, 32, 32\]"):
-        engine.generate(PROMPTS[:1], GREEDY, images=[Pixels(pixels(1, 0, size=48))])
+        engine.generate(GenerateRequest(PROMPTS[:1], GREEDY, images=[Pixels(pixels(1, 0, size=48))]))
     with pytest.raises(
         ConfigError, match=r"images\[0\] is a Tensor; .*Pixels.*wrap bare pixel_values as Pixels\(values\)"
     ):
-        engine.generate(PROMPTS[:1], GREEDY, images=[pixels(1, 0)])
+        engine.generate(GenerateRequest(PROMPTS[:1], GREEDY, images=[pixels(1, 0)]))
     with pytest.raises(ConfigError, match=r"images\[0\] has an image grid \(1, 3\).*LLaVA"):
-        engine.generate(PROMPTS[:1], GREEDY, images=[Pixels(pixels(1, 0), torch.tensor([[1, 4, 4]]))])
+        engine.generate(
+            GenerateRequest(PROMPTS[:1], GREEDY, images=[Pixels(pixels(1, 0), torch.tensor([[1, 4, 4]]))])
+        )
     # a text-only model
     text_dir = build_tiny_model(
         tmp_path, TinyModelSpec(hidden_size=64, intermediate_size=192, num_heads=2, num_kv_heads=1)
@@ -181,8 +185,8 @@ def test_image_errors(engine, tmp_path, pixels):
         with pytest.raises(
             ValueError, match=r"prompt\(s\) \[0\] come with images.*text-only LlamaForCausalLM"
         ):
-            text_engine.generate([[1, 5, 6]], GREEDY, images=[one])
-        (group,) = text_engine.generate([[1, 5, 6]], GREEDY, images=[None])
+            text_engine.generate(GenerateRequest([[1, 5, 6]], GREEDY, images=[one]))
+        (group,) = text_engine.generate(GenerateRequest([[1, 5, 6]], GREEDY, images=[None]))
         assert len(group[0].token_ids) >= 1
     finally:
         text_engine.close()
@@ -192,7 +196,7 @@ def test_the_image_token_is_never_sampled(engine, pixels):
     """The trainer puts image features at every image token, so a sampled one would break the step: at a
     temperature that makes the 128 ids nearly uniform (~1/128 each), 512 sampled tokens hold none."""
     spec = SamplingSpec(n=64, max_new_tokens=8, temperature=50.0, seed=3, ignore_eos=True)
-    out = engine.generate(PROMPTS[:1], spec, images=_images(pixels, 0)[:1])
+    out = engine.generate(GenerateRequest(PROMPTS[:1], spec, images=_images(pixels, 0)[:1]))
     tokens = [t for c in out[0] for t in c.token_ids]
     assert len(tokens) == 512 and len(set(tokens)) > 64  # the sampling is spread out
     assert IMAGE_TOKEN_ID not in tokens
@@ -204,8 +208,8 @@ def test_a_bf16_engine_generates_with_images_close_to_fp32(engine, vlm_dir, pixe
     bf16 = HFEngine(vlm_dir, seed=0, dtype="bfloat16")
     try:
         images = _images(pixels, 0)
-        want = engine.generate(PROMPTS, GREEDY, images=images)
-        got = bf16.generate(PROMPTS, GREEDY, images=images)
+        want = engine.generate(GenerateRequest(PROMPTS, GREEDY, images=images))
+        got = bf16.generate(GenerateRequest(PROMPTS, GREEDY, images=images))
         for (a,), (b,) in zip(want, got):
             assert b.token_ids and all(math.isfinite(x) for x in b.logprobs)
             n = next(
@@ -236,8 +240,10 @@ def test_prompts_without_images_as_the_encoder_gives_them(engine, vlm_dir, pixel
     image, *text = [encoder.encode(r) for r in rows]
     for batch in ([image, *text], text):  # mixed, and a batch without any image
         ids = [e.ids for e in batch]
-        got = engine.generate(ids, GREEDY, images=[e.pixels for e in batch])
-        want = engine.generate(ids, GREEDY, images=[e.pixels if e.pixels.count else None for e in batch])
+        got = engine.generate(GenerateRequest(ids, GREEDY, images=[e.pixels for e in batch]))
+        want = engine.generate(
+            GenerateRequest(ids, GREEDY, images=[e.pixels if e.pixels.count else None for e in batch])
+        )
         assert [(c.token_ids, c.logprobs) for (c,) in got] == [(c.token_ids, c.logprobs) for (c,) in want]
 
 
@@ -351,7 +357,7 @@ def _qwen_hf_logprobs(model, prompt, tokens, pixels):
 
 
 def _qwen_run(engine, images, spec=QWEN_GREEDY):
-    outs = engine.generate(QWEN_PROMPTS, spec, images=images)
+    outs = engine.generate(GenerateRequest(QWEN_PROMPTS, spec, images=images))
     return [[(c.token_ids, c.logprobs) for c in group] for group in outs]
 
 
@@ -385,7 +391,9 @@ def test_qwen_logprobs_are_teacher_forced_transformers(qwen):
     small = HFEngine(path, seed=0, max_batch_size=3)
     images = _qwen_images(0)
     try:
-        outs = small.generate(QWEN_PROMPTS, SamplingSpec(n=2, max_new_tokens=6, seed=3), images=images)
+        outs = small.generate(
+            GenerateRequest(QWEN_PROMPTS, SamplingSpec(n=2, max_new_tokens=6, seed=3), images=images)
+        )
     finally:
         small.close()
     for prompt, pix, group in zip(QWEN_PROMPTS, images, outs):
@@ -439,22 +447,22 @@ def test_qwen_image_errors(qwen):
     with pytest.raises(
         DataError, match=r"prompt 1: .* runs \(id 101\) of \[7\] tokens .* need runs of \[8\]"
     ):
-        engine.generate([good, short], QWEN_GREEDY, images=[pix, pix])
+        engine.generate(GenerateRequest([good, short], QWEN_GREEDY, images=[pix, pix]))
     with pytest.raises(DataError, match=r"prompt 0: .* runs \(id 101\) of \[8\] .* its 0 image\(s\)"):
-        engine.generate([good], QWEN_GREEDY)
+        engine.generate(GenerateRequest([good], QWEN_GREEDY))
     two = qwen_pixels([(112, 56), (56, 56)], 0)
     with pytest.raises(
         DataError, match=r"prompt 0: .* of \[8\] .* its 2 image\(s\) .* need runs of \[8, 4\]"
     ):
-        engine.generate([good], QWEN_GREEDY, images=[two])
+        engine.generate(GenerateRequest([good], QWEN_GREEDY, images=[two]))
     with pytest.raises(DataError, match=r"images\[0\] has 28 pixel rows but .* makes 32 patches"):
-        engine.generate([good], QWEN_GREEDY, images=[Pixels(pix.values[:28], pix.grid)])
+        engine.generate(GenerateRequest([good], QWEN_GREEDY, images=[Pixels(pix.values[:28], pix.grid)]))
     with pytest.raises(ConfigError, match=r"images\[0\] has grid None; a Qwen VL model needs image_grid_thw"):
-        engine.generate([good], QWEN_GREEDY, images=[Pixels(pix.values)])
+        engine.generate(GenerateRequest([good], QWEN_GREEDY, images=[Pixels(pix.values)]))
     with pytest.raises(ConfigError, match=r"images\[0\] has shape \(32, 588\).*\[patches, 1176\]"):
-        engine.generate([good], QWEN_GREEDY, images=[Pixels(pix.values[:, :588], pix.grid)])
+        engine.generate(GenerateRequest([good], QWEN_GREEDY, images=[Pixels(pix.values[:, :588], pix.grid)]))
     with pytest.raises(ConfigError, match=r"images\[0\] is a Tensor; .*grid=image_grid_thw"):
-        engine.generate([good], QWEN_GREEDY, images=[pix.values])
+        engine.generate(GenerateRequest([good], QWEN_GREEDY, images=[pix.values]))
 
 
 def test_qwen_image_token_is_never_sampled(qwen):
@@ -462,7 +470,7 @@ def test_qwen_image_token_is_never_sampled(qwen):
     expected unsuppressed) hold none."""
     engine = qwen[2]
     spec = SamplingSpec(n=64, max_new_tokens=16, temperature=50.0, seed=3, ignore_eos=True)
-    out = engine.generate(QWEN_PROMPTS[:1], spec, images=_qwen_images(0)[:1])
+    out = engine.generate(GenerateRequest(QWEN_PROMPTS[:1], spec, images=_qwen_images(0)[:1]))
     tokens = [t for c in out[0] for t in c.token_ids]
     assert len(tokens) == 1024 and len(set(tokens)) > 64
     assert QWEN_IMAGE_ID not in tokens

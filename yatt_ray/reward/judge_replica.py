@@ -87,11 +87,13 @@ class GenRMJudge:
 
     def judge_texts(self, requests: list[JudgeRequest]) -> list[Verdict]:
         """Render, generate and parse one batch (synchronous: the engine is not thread-safe)."""
+        from yatt_ray.rollout import GenerateRequest, complete
+
         prompts = []
         for r in requests:
             ids = self.tokenizer(self.template(r.prompt, r.response, r.ground_truth))["input_ids"]
             prompts.append(ids[-self.max_prompt_tokens :])
-        outs = self.engine.generate(prompts, self.spec)
+        outs = complete(self.engine.generate(GenerateRequest(prompts, self.spec)))
         verdicts = []
         for r, group in zip(requests, outs):
             text = str(self.tokenizer.decode(group[0].token_ids, skip_special_tokens=True))

@@ -1,7 +1,8 @@
 """Rollout (generation) engines behind one interface: vLLM in-process, or Hugging Face `generate`.
 
     engine = make_engine("auto", model_dir, seed=0)
-    groups = engine.generate([[1, 17, 18]], SamplingSpec(n=4, max_new_tokens=32, seed=0))
+    request = GenerateRequest([[1, 17, 18]], SamplingSpec(n=4, max_new_tokens=32, seed=0))
+    groups = complete(engine.generate(request))  # no finish_after: every prompt's 4 Completions
     engine.load_weights(bucket_1); engine.load_weights(bucket_2); engine.finish_weight_sync()
 
 See `yatt_ray.rollout.base` for the contracts (log-prob semantics, weight-sync buckets, sleep / wake).
@@ -21,14 +22,16 @@ import torch
 
 from yatt_ray.config import EngineKind
 from yatt_ray.errors import ConfigError, UnknownNameError
-from yatt_ray.rollout.base import Completion, RolloutEngine, SamplingSpec
+from yatt_ray.rollout.base import Completion, GenerateRequest, RolloutEngine, SamplingSpec, complete
 
 __all__ = [
     "ENGINE_DTYPES",
     "ENGINE_KINDS",
     "Completion",
+    "GenerateRequest",
     "RolloutEngine",
     "SamplingSpec",
+    "complete",
     "make_engine",
     "resolve_engine_kind",
     "vllm_available",

@@ -1,10 +1,11 @@
 """The rollout-engine interface: what a controller asks of any generation engine.
 
-Every engine (vLLM, Hugging Face `generate`) takes prompts as token ids and returns, per prompt, `n`
-completions with the log-probability of each generated token. The log-probabilities are *raw*: the log-softmax
-of the model's logits at temperature 1, before temperature, top-p, top-k or any other logits processor, for
-the token that was actually sampled. That is exactly what the trainer computes for "old" log-probs from the
-same weights, so the two are comparable (rollout/trainer mismatch checks, importance ratios); a sampling
+Every engine (vLLM, Hugging Face `generate`) takes one `GenerateRequest` (prompts as token ids, a
+`SamplingSpec`, images, long-tail abort: a plain picklable value) and returns, per prompt, `n` completions
+with the log-probability of each generated token. The log-probabilities are *raw*: the log-softmax of the
+model's logits at temperature 1, before temperature, top-p, top-k or any other logits processor, for the token
+that was actually sampled. That is exactly what the trainer computes for "old" log-probs from the same
+weights, so the two are comparable (rollout/trainer mismatch checks, importance ratios); a sampling
 temperature other than 1 changes which tokens are drawn, never what `Completion.logprobs` means.
 
 Weight sync contract (the same for every engine): `load_weights` is called one or more times with successive
@@ -23,12 +24,12 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, overload, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
 from yatt_ray.batch import Pixels
-from yatt_ray.errors import ConfigError
+from yatt_ray.errors import ConfigError, YattError
 
 FinishReason = Literal["stop", "length"]
 # per prompt: its images' `Pixels` (LLaVA: values [I, C, H, W]; Qwen VL: values [patches, 1176] and grid [I, 3]),
@@ -133,68 +134,105 @@ class Completion:
 OnFinished = Callable[[int, list[Completion]], None]  # (prompt index, its completions)
 
 
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What to generate: per prompt (token ids, BOS included) `spec.n` completions.
+
+    - `prompts`: token ids with BOS already included; none may be empty, and
+      `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length (the engine checks this,
+      and the vocabulary).
+    - `images` (vision-language models): one entry per prompt, its images' `batch.Pixels` (the model's image
+      processor's output: LLaVA pixel_values [I, 3, H, W]; Qwen2-VL / 2.5-VL pixel_values [patches, C*tp*p*p]
+      with image_grid_thw [I, 3]; I = 0 for a prompt without images) or None; each image's tokens are already
+      expanded in the prompt. Every sample of a prompt sees its images.
+    - `finish_after=k` (long-tail control; 1 <= k <= len(prompts)): as soon as at least k prompts have all
+      their `spec.n` samples finished ("stop" or "length"), the engine aborts every unfinished request and
+      returns. Finished prompts keep their completions (more than k when several finish in the same engine
+      step: all are kept, the caller chooses); each aborted prompt's entry is `None`, and the engine's
+      `last_aborted` counts them. The engine holds no leftover requests afterwards: the next call starts
+      clean. With None (the default) every prompt runs to the end.
+    - `wait_for` (prompt indices, with `finish_after` only): prompts the engine never aborts; it stops once k
+      are finished *and* these are.
+
+    Construction checks what needs no engine facts (`ConfigError` naming the value); the engine checks the
+    rest (model length, vocabulary, image tokens).
+    """
+
+    prompts: list[list[int]]
+    spec: SamplingSpec
+    images: Images | None = None
+    finish_after: int | None = None
+    wait_for: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, SamplingSpec):
+            raise ConfigError(f"spec must be a SamplingSpec, got {type(self.spec).__name__}")
+        if not isinstance(self.prompts, list | tuple):
+            raise ConfigError(f"prompts must be a list of token-id lists, got {type(self.prompts).__name__}")
+        self._check_images()
+        self._check_finish_after()
+
+    def _check_images(self) -> None:
+        images = self.images
+        if images is not None and (not isinstance(images, list | tuple) or len(images) != len(self.prompts)):
+            got = len(images) if isinstance(images, list | tuple) else type(images).__name__
+            raise ConfigError(
+                f"images must be a list with one entry (Pixels or None) per prompt: {len(self.prompts)} "
+                f"prompts, images {got}"
+            )
+
+    def _check_finish_after(self) -> None:
+        finish_after, num_prompts, wait_for = self.finish_after, len(self.prompts), self.wait_for
+        if wait_for and (
+            finish_after is None or not all(isinstance(i, int) and 0 <= i < num_prompts for i in wait_for)
+        ):
+            raise ConfigError(
+                f"wait_for={sorted(wait_for)!r} must hold prompt indices in [0, {num_prompts}) and come with "
+                "finish_after (prompts the engine does not abort)"
+            )
+        if finish_after is not None and (
+            isinstance(finish_after, bool)
+            or not isinstance(finish_after, int)
+            or not 1 <= finish_after <= num_prompts
+        ):
+            raise ConfigError(
+                f"finish_after={finish_after!r} must be None or an int in [1, {num_prompts}] (the number of "
+                "prompts): how many prompts must finish before the rest are aborted"
+            )
+
+
+def complete(results: list[list[Completion] | None]) -> list[list[Completion]]:
+    """`generate`'s results when nothing may have been aborted (no `finish_after`): every prompt's group."""
+    missing = [i for i, group in enumerate(results) if group is None]
+    if missing:
+        raise YattError(
+            f"prompts {missing[:5]} were aborted (None): complete() is for the results of a request without "
+            "finish_after; read a finish_after request's results as they are, None for each aborted prompt"
+        )
+    return [group for group in results if group is not None]
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generation engine colocated with a trainer worker. See the module docstring for the contracts."""
 
     last_aborted: int  # prompts aborted (returned as None) by the latest `generate` call
 
-    # `finish_after` changes the return type (None in place of aborted prompts), hence the overloads.
-    @overload
     def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        finish_after: None = None,
-        *,
-        images: Images | None = None,
-    ) -> list[list[Completion]]: ...
-
-    @overload
-    def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        *,
-        finish_after: int,
-        wait_for: frozenset[int] = frozenset(),
-        images: Images | None = None,
-    ) -> list[list[Completion] | None]: ...
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        finish_after: int | None = None,
-        wait_for: frozenset[int] = frozenset(),
-        *,
-        images: Images | None = None,
-    ) -> list[list[Completion]] | list[list[Completion] | None]:
-        """Outer list: one entry per prompt, in order; inner list: `spec.n` completions.
+        self, request: GenerateRequest, on_finished: OnFinished | None = None
+    ) -> list[list[Completion] | None]:
+        """Outer list: one entry per prompt, in order (None only for a prompt aborted under
+        `request.finish_after`; `complete()` types the results of a request without it); inner list:
+        `spec.n` completions. `last_aborted` counts the Nones (0 without `finish_after`).
 
         `on_finished(prompt_index, completions)`, when given, is called as soon as a prompt's samples are
-        all done (in completion order, which may differ from prompt order): partial coexistence sends them
-        to the GenRM while the rest still generate. The returned list is the same either way.
+        all done (in completion order, which may differ from prompt order), for finished prompts only:
+        partial coexistence sends them to the GenRM while the rest still generate. It is a local callback,
+        not part of the request. The returned list is the same either way.
 
-        `finish_after=k` (long-tail control; 1 <= k <= len(prompts), else `ConfigError`): as soon as at least
-        k prompts have all their `spec.n` samples finished ("stop" or "length"), the engine aborts every
-        unfinished request and returns. Finished prompts keep their completions (more than k when several
-        finish in the same engine step: all are kept, the caller chooses); each aborted prompt's entry is
-        `None`, and `last_aborted` counts them. `on_finished` is called for the finished prompts only. The
-        engine holds no leftover requests afterwards: the next call starts clean. With `finish_after=None`
-        (the default) every prompt runs to the end and `last_aborted` is 0. `wait_for` (prompt indices, with
-        `finish_after` only): prompts the engine never aborts; it stops once k are finished *and* these are.
-
-        Prompts are token ids with BOS already included; none may be empty, and
-        `len(prompt) + spec.max_new_tokens` must fit the engine's maximum model length.
-
-        `images` (vision-language models): per prompt its images' `batch.Pixels` (the model's image processor's
-        output: LLaVA pixel_values [I, 3, H, W]; Qwen2-VL / 2.5-VL pixel_values [patches, C*tp*p*p] with
-        image_grid_thw [I, 3]; I = 0 for a prompt without images) or None; each image's tokens are already
-        expanded in the prompt.
+        Raises `ConfigError` for a request this engine cannot serve (a prompt over its maximum model length,
+        token ids outside its vocabulary, images for a model that takes none) and `DataError` for a prompt
+        whose image tokens disagree with its images.
         """
         ...
 
@@ -230,11 +268,8 @@ class RolloutEngine(Protocol):
 def validate_prompts(
     prompts: list[list[int]], spec: SamplingSpec, max_model_len: int, vocab_size: int
 ) -> None:
-    """Shared prompt checks, raising `ConfigError` with the offending index and values."""
-    if not isinstance(spec, SamplingSpec):
-        raise ConfigError(f"spec must be a SamplingSpec, got {type(spec).__name__}")
-    if not isinstance(prompts, list | tuple):
-        raise ConfigError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    """Shared prompt checks against the engine's limits, raising `ConfigError` with the offending index and
+    values (a `GenerateRequest` has checked the types)."""
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ConfigError(f"prompt {i} is empty: prompts must hold at least the BOS token id")
@@ -250,31 +285,6 @@ def validate_prompts(
     bad_stops = [t for t in spec.stop_token_ids if t >= vocab_size]
     if bad_stops:
         raise ConfigError(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
-
-
-def check_finish_after(
-    finish_after: int | None, num_prompts: int, wait_for: frozenset[int] = frozenset()
-) -> None:
-    """`finish_after` must be None or an int in [1, num_prompts], and `wait_for` prompt indices (with
-    `finish_after` only); raises `ConfigError` naming the value."""
-    if wait_for and (
-        finish_after is None or not all(isinstance(i, int) and 0 <= i < num_prompts for i in wait_for)
-    ):
-        raise ConfigError(
-            f"wait_for={sorted(wait_for)!r} must hold prompt indices in [0, {num_prompts}) and come with "
-            "finish_after (prompts the engine does not abort)"
-        )
-    if finish_after is None:
-        return
-    if (
-        isinstance(finish_after, bool)
-        or not isinstance(finish_after, int)
-        or not 1 <= finish_after <= num_prompts
-    ):
-        raise ConfigError(
-            f"finish_after={finish_after!r} must be None or an int in [1, {num_prompts}] (the number of "
-            "prompts): how many prompts must finish before the rest are aborted"
-        )
 
 
 def read_eos_token_ids(model_dir: str) -> tuple[int, ...]:

@@ -13,13 +13,14 @@ tested against. Semantics follow `yatt_ray.rollout.base`:
 - weight sync: every bucket is copied straight into the model's parameters (no fusion, so no holding back);
 - sleep / wake: on a GPU the model moves to host memory and back; on the CPU both are no-ops;
 - images (a LLaVA model, `LlavaForConditionalGeneration`, or a Qwen2-VL / Qwen2.5-VL model,
-  `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration`): `generate(..., images=[Pixels or
-  None per prompt])`; the prompts hold the expanded image tokens (`prompts.PromptEncoder`), and a batch's
+  `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration`): `GenerateRequest.images` (Pixels
+  or None per prompt); the prompts hold the expanded image tokens (`prompts.PromptEncoder`), and a batch's
   images go to HF `generate` as one `pixel_values` tensor in row order (Qwen VL: and `image_grid_thw` in the
   same order), which is the order the model puts their features into the image-token positions. The image
   token is never sampled. Weight sync takes LLaVA checkpoint names (either layout) and the language model's
   `LlamaForCausalLM` names (`model.layers.0...`, as the Megatron trainer exports them); for Qwen VL the
-  checkpoint names (`model.*` the language model under `Qwen2ForCausalLM` names, `lm_head.weight`, `visual.*`).
+  checkpoint names (`model.*` the language model under `Qwen2ForCausalLM` names, `lm_head.weight`,
+  `visual.*`).
 - Qwen VL's multimodal RoPE on a left-padded batch: transformers (5.x) computes each row's M-RoPE positions
   (`get_rope_index`) inside `generate` only when it gets `mm_token_type_ids` ([B, L] int: 1 at image tokens,
   0 at text and padding) beside `attention_mask` (`get_rope_index` drops the left padding by it, so each row's
@@ -33,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import torch
 from transformers import StoppingCriteria
@@ -43,11 +44,11 @@ from yatt_ray.errors import ConfigError, DataError, YattError
 from yatt_ray.rollout.base import (
     Completion,
     FinishReason,
+    GenerateRequest,
     Images,
     OnFinished,
     PrivateRng,
     SamplingSpec,
-    check_finish_after,
     derive_seed,
     read_eos_token_ids,
     validate_prompts,
@@ -152,48 +153,18 @@ class HFEngine:
         self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
 
     # ------------------------------------------------------------------ generation
-    @overload
     def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        finish_after: None = None,
-        *,
-        images: Images | None = None,
-    ) -> list[list[Completion]]: ...
-
-    @overload
-    def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        *,
-        finish_after: int,
-        wait_for: frozenset[int] = frozenset(),
-        images: Images | None = None,
-    ) -> list[list[Completion] | None]: ...
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        finish_after: int | None = None,
-        wait_for: frozenset[int] = frozenset(),
-        *,
-        images: Images | None = None,
-    ) -> list[list[Completion]] | list[list[Completion] | None]:
+        self, request: GenerateRequest, on_finished: OnFinished | None = None
+    ) -> list[list[Completion] | None]:
         """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done.
 
-        With `finish_after=k`, a batch's `generate` ends as soon as k prompts are complete (counting those of
-        earlier batches) and so are those of `wait_for` it holds, later batches are skipped once no `wait_for`
-        prompt is left in them, and prompts with an unfinished row are None.
+        With `request.finish_after=k`, a batch's `generate` ends as soon as k prompts are complete (counting
+        those of earlier batches) and so are those of `wait_for` it holds, later batches are skipped once no
+        `wait_for` prompt is left in them, and prompts with an unfinished row are None.
 
-        `images` (vision-language models only): one entry per prompt, that prompt's `Pixels` (the image
-        processor's output, images in the order of their image-token runs in the prompt; I_k = 0 images for a
-        prompt without any) or None for a text-only prompt. Every sample of the prompt sees its images.
+        `request.images` (vision-language models only): one entry per prompt, that prompt's `Pixels` (the
+        image processor's output, images in the order of their image-token runs in the prompt; I_k = 0 images
+        for a prompt without any) or None for a text-only prompt. Every sample of the prompt sees its images.
         - LLaVA: values [I_k, C, H, W], grid None; the prompt holds exactly I_k * `tokens_per_image` image
           tokens (`image_token_id`), already expanded.
         - Qwen2-VL / 2.5-VL: values [sum_k t*h*w, C*tp*p*p] (every image's patch rows in turn), grid [I_k, 3]
@@ -202,9 +173,10 @@ class HFEngine:
         A prompt whose image tokens disagree with its images raises DataError naming the prompt.
         """
         self._check_usable("generate")
+        prompts, spec = request.prompts, request.spec
+        finish_after, wait_for = request.finish_after, request.wait_for
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
-        check_finish_after(finish_after, len(prompts), wait_for)
-        per_prompt = self._check_images(prompts, images)
+        per_prompt = self._check_images(prompts, request.images)
         if self._asleep:
             raise YattError("HFEngine.generate called while asleep: call wake() first")
         self.last_aborted = 0
@@ -316,15 +288,10 @@ class HFEngine:
         return completions
 
     def _check_images(self, prompts: list[list[int]], images: Images | None) -> Images:
-        """`images` checked against the prompts (see `generate`) -> one entry per prompt (None = none)."""
+        """A request's `images` (one entry per prompt, or None) checked against the prompts (see
+        `generate`) -> one entry per prompt (None = none)."""
         if images is None:
             images = [None] * len(prompts)
-        elif not isinstance(images, list | tuple) or len(images) != len(prompts):
-            got = len(images) if isinstance(images, list | tuple) else type(images).__name__
-            raise ConfigError(
-                f"images must be a list with one entry (Pixels or None) per prompt: {len(prompts)} "
-                f"prompts, images {got}"
-            )
         given = [i for i, p in enumerate(images) if p is not None]
         if self.image_token_id is None or self._pixel_shape is None:
             if given:

@@ -73,7 +73,7 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -82,11 +82,10 @@ from yatt_ray.errors import ConfigError, DataError, YattError
 from yatt_ray.model_dir import read_config
 from yatt_ray.rollout.base import (
     Completion,
+    GenerateRequest,
     Images,
     OnFinished,
     PrivateRng,
-    SamplingSpec,
-    check_finish_after,
     derive_seed,
     read_eos_token_ids,
     validate_prompts,
@@ -279,56 +278,27 @@ class VLLMEngine:
         return self.image_token_id is not None
 
     # ------------------------------------------------------------------ generation
-    @overload
     def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        finish_after: None = None,
-        *,
-        images: Images | None = None,
-    ) -> list[list[Completion]]: ...
-
-    @overload
-    def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        *,
-        finish_after: int,
-        wait_for: frozenset[int] = frozenset(),
-        images: Images | None = None,
-    ) -> list[list[Completion] | None]: ...
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        spec: SamplingSpec,
-        on_finished: OnFinished | None = None,
-        finish_after: int | None = None,
-        wait_for: frozenset[int] = frozenset(),
-        *,
-        images: Images | None = None,
-    ) -> list[list[Completion]] | list[list[Completion] | None]:
+        self, request: GenerateRequest, on_finished: OnFinished | None = None
+    ) -> list[list[Completion] | None]:
         """`LLM.generate` for a plain call; step by step (`_generate_streaming`) with `on_finished` or
-        `finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request).
+        `request.finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request).
 
-        Images (Qwen2-VL / Qwen2.5-VL only, `takes_image_features`): `images[i]` is prompt i's `Pixels` with
-        `features` [tokens_i, D] filled (the policy's own image features, `MegatronPolicy.image_features`)
-        and `grid` [I_i, 3], or None for a text prompt; prompt i holds each image's tokens expanded, as the
-        trainer scores them. The request vLLM gets is `image_request`'s; the image token is never sampled
-        (the trainer would put image features at it), and vLLM's expanded prompt is checked to be ours."""
+        Images (Qwen2-VL / Qwen2.5-VL only, `takes_image_features`): `request.images[i]` is prompt i's
+        `Pixels` with `features` [tokens_i, D] filled (the policy's own image features,
+        `MegatronPolicy.image_features`) and `grid` [I_i, 3], or None for a text prompt; prompt i holds each
+        image's tokens expanded, as the trainer scores them. The request vLLM gets is `image_request`'s; the
+        image token is never sampled (the trainer would put image features at it), and vLLM's expanded prompt
+        is checked to be ours."""
         from vllm import SamplingParams
 
         self._check_usable("generate")
         self.finish_weight_sync()
         if self._asleep:
             raise YattError("VLLMEngine.generate called while asleep: call wake() first")
+        prompts, spec = request.prompts, request.spec
         validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
-        check_finish_after(finish_after, len(prompts), wait_for)
-        requests = self._requests(prompts, images)
+        requests = self._requests(prompts, request.images)
         stops = list(spec.stops(self.eos_token_ids))
         # the image token never sampled (the HF engine's `suppress_tokens`); log-probs stay raw (vLLM takes them
         # before logits processors, logit_bias included)
@@ -352,10 +322,10 @@ class VLLMEngine:
         ]
         self.last_aborted = 0
         with self._rng.active():
-            if on_finished is None and finish_after is None:
+            if on_finished is None and request.finish_after is None:
                 outputs = self._llm.generate(requests, params, use_tqdm=False)
                 return [_group(out, prompts[i]) for i, out in enumerate(outputs)]
-            return self._generate_streaming(prompts, requests, params, on_finished, finish_after, wait_for)
+            return self._generate_streaming(request, requests, params, on_finished)
 
     def _requests(self, prompts: list[list[int]], images: Images | None) -> list[Any]:
         """vLLM's request per prompt: its ids, with `image_request`'s image inputs where it has images."""
@@ -368,12 +338,7 @@ class VLLMEngine:
             raise ConfigError(
                 f"VLLMEngine: image prompts came for {self.model_dir}, whose vLLM engine takes no images (it "
                 "takes the image features of Qwen2-VL / Qwen2.5-VL policies only; LLaVA and text models do not "
-                "get them): use rollout.engine=hf for this policy, or pass images=None"
-            )
-        if len(images) != len(prompts):
-            raise ConfigError(
-                f"VLLMEngine: images must have one entry (Pixels or None) per prompt: {len(prompts)} prompts, "
-                f"images {len(images)}"
+                "get them): use rollout.engine=hf for this policy, or send the request without images"
             )
         requests = []
         for i, (p, pixels) in enumerate(zip(prompts, images)):
@@ -388,33 +353,28 @@ class VLLMEngine:
         return requests
 
     def _generate_streaming(
-        self,
-        prompts: list[list[int]],
-        requests: list,
-        params: list,
-        on_finished: OnFinished | None,
-        finish_after: int | None,
-        wait_for: frozenset[int] = frozenset(),
+        self, request: GenerateRequest, requests: list, params: list, on_finished: OnFinished | None
     ) -> list[list[Completion] | None]:
         """Drive the engine step by step and hand each prompt's group to `on_finished` as soon as all its
         samples are done (the same requests and seeds as `LLM.generate`, so the same tokens).
 
-        Once `finish_after` groups and every `wait_for` one are done (after the step that finished them, so
-        all groups of that step are kept), the requests still running are aborted; so are they when anything raises, so the engine
-        never keeps requests of an earlier call.
+        Once `request.finish_after` groups and every `wait_for` one are done (after the step that finished
+        them, so all groups of that step are kept), the requests still running are aborted; so are they when
+        anything raises, so the engine never keeps requests of an earlier call.
         """
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm.llm_engine
+        prompts, finish_after, wait_for = request.prompts, request.finish_after, request.wait_for
         self._batches += 1
         index: dict[str, int] = {}  # external request id (what outputs carry) -> prompt index
         internal: dict[int, str] = {}  # prompt index -> vLLM's internal id (the parent's when n > 1)
         groups: list[list[Completion] | None] = [None] * len(requests)
         try:
-            for i, (request, p) in enumerate(zip(requests, params)):
+            for i, (vllm_request, p) in enumerate(zip(requests, params)):
                 p.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = f"yatt-{self._batches}-{i}"
-                internal[i] = engine.add_request(request_id, request, p)
+                internal[i] = engine.add_request(request_id, vllm_request, p)
                 index[request_id] = i
             finished = 0
             while engine.has_unfinished_requests():

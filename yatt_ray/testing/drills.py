@@ -141,14 +141,21 @@ def when(
 
 def kill_training_worker(rank_hint: int = 1) -> int:
     """SIGKILL one live Ray Train worker process (the `rank_hint`-th by pid order); returns its pid."""
+    return _kill_actor("RayTrainWorker", rank_hint)
+
+
+def kill_engine_actor(rank_hint: int = 0) -> int:
+    """SIGKILL one live rollout engine actor process (`placement.rollout_engines`); Ray restarts it."""
+    return _kill_actor("EngineActor", rank_hint)
+
+
+def _kill_actor(class_name: str, rank_hint: int) -> int:
     from ray.util.state import list_actors
 
-    actors = list_actors(
-        filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True
-    )
+    actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
     pids = sorted(a.pid for a in actors if a.pid)
     if not pids:
-        raise RuntimeError("no live RayTrainWorker actor to kill")
+        raise RuntimeError(f"no live {class_name} actor to kill")
     pid = pids[min(rank_hint, len(pids) - 1)]
     os.kill(pid, signal.SIGKILL)
     return pid

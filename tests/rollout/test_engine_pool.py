@@ -1,0 +1,126 @@
+"""Rollout engines as actors of their own (`yatt_ray.rollout.pool`): routing, weights from the trainer by the
+object store and by a broadcast group, a killed engine replaced without losing prompts, long-tail abort over
+several engines. Real engine actors (the HF engine) on the shared test cluster; this process plays a
+controller."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from tests.rollout.conftest import PROMPTS, reference_greedy
+from yatt_ray.errors import YattError
+from yatt_ray.rollout.base import GenerateRequest, SamplingSpec, complete
+from yatt_ray.rollout.pool import EngineHandles, EnginePool, EngineRouter, start_engine_pool, stop_engine_pool
+
+GREEDY = SamplingSpec(n=1, max_new_tokens=6, temperature=0.0)
+
+
+def _buckets(model, per_bucket: int = 5):
+    """The model's weights in Hugging Face names, a few tensors a bucket (as the trainer's buckets come)."""
+    items = list(model.state_dict().items())
+    return [items[i : i + per_bucket] for i in range(0, len(items), per_bucket)]
+
+
+def _push(pool: EnginePool, model) -> None:
+    for bucket in _buckets(model):
+        pool.load_weights(bucket)
+    pool.finish_weight_sync()
+
+
+def _pool(handles, model, seed: int = 0, weights=None) -> EnginePool:
+    """A controller's pool, synced once (with `model`'s weights) as a controller syncs at start."""
+    pool = EnginePool(handles, True, weights, seed=seed)
+    _push(pool, model)
+    return pool
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster, model_dirs):
+    handles = start_engine_pool("hf", str(model_dirs[0]), 2, {"CPU": 1}, {"seed": 0, "max_model_len": 128})
+    yield handles
+    stop_engine_pool(handles)
+
+
+def test_router_assigns_least_loaded_and_releases():
+    router = EngineRouter(3)
+    assert router.assign([5, 5, 5], exclude=[]) == [0, 1, 2]
+    assert router.assign([10, 1], exclude=[0]) == [1, 2]  # heaviest first, to the least-loaded usable engine
+    router.release(1, 15)
+    assert router.loads() == [5, 0, 6]
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_weights_reach_every_engine_and_prompts_spread(engines, hf_models, transport):
+    """After a push of the new weights every engine answers as the new model does, whichever took a prompt."""
+    pool = _pool(EngineHandles(engines.engines, engines.router, transport), hf_models[1])
+    prompts = PROMPTS * 2
+    out = complete(pool.generate(GenerateRequest(prompts, GREEDY)))
+    want = [reference_greedy(hf_models[1], p, GREEDY.max_new_tokens) for p in prompts]
+    assert [o[0].token_ids for o in out] == want
+    assert ray.get(engines.router.loads.remote()) == [0, 0]  # every sub-request released its load
+    versions = ray.get([e.info.remote() for e in engines.engines])
+    assert [v["version"] for v in versions] == [pool.version, pool.version]
+    _push(pool, hf_models[0])  # back to the old weights for the next test
+    out = complete(pool.generate(GenerateRequest(PROMPTS, GREEDY)))
+    assert [o[0].token_ids for o in out] == [reference_greedy(hf_models[0], p, 6) for p in PROMPTS]
+
+
+def test_a_killed_engine_is_replaced_and_no_prompt_is_lost(engines, hf_models):
+    """Kill an engine between pushes: it restarts with the model directory's weights (stale); the pool sends
+    its prompts again after pushing it the current weights, and every prompt comes back exactly once."""
+    weights = lambda: _buckets(hf_models[1])  # noqa: E731
+    pool = _pool(engines, hf_models[1], weights=weights)
+    ray.kill(engines.engines[0], no_restart=False)
+    finished: list[int] = []
+    prompts = PROMPTS * 3
+    out = pool.generate(GenerateRequest(prompts, GREEDY), on_finished=lambda i, c: finished.append(i))
+    assert sorted(finished) == list(range(len(prompts)))  # each prompt reported once
+    want = [reference_greedy(hf_models[1], p, 6) for p in prompts]
+    assert [o[0].token_ids for o in complete(out)] == want  # the restarted engine has the new weights too
+    assert [i["version"] for i in ray.get([e.info.remote() for e in engines.engines])] == [pool.version] * 2
+    _push(pool, hf_models[0])
+
+
+def test_without_weights_a_stale_engine_is_avoided(engines, hf_models):
+    """A controller that cannot gather the weights alone (tp > 1) sends a stale engine's prompts elsewhere."""
+    pool = _pool(engines, hf_models[1])
+    ray.kill(engines.engines[1], no_restart=False)
+    out = complete(pool.generate(GenerateRequest(PROMPTS * 2, GREEDY)))
+    assert [o[0].token_ids for o in out] == [reference_greedy(hf_models[1], p, 6) for p in PROMPTS * 2]
+    _push(pool, hf_models[0])  # the restarted engine is fresh again after the next push
+    assert [i["version"] for i in ray.get([e.info.remote() for e in engines.engines])] == [pool.version] * 2
+
+
+def test_finish_after_over_several_engines(engines, hf_models):
+    """Long-tail abort with the prompts split over engines: at least k prompts finish, every wait_for prompt
+    finishes, and aborted prompts are None and counted."""
+    spec = SamplingSpec(n=2, max_new_tokens=8, temperature=1.0)
+    prompts = PROMPTS * 2
+    pool = _pool(engines, hf_models[0], seed=3)
+    out = pool.generate(GenerateRequest(prompts, spec, finish_after=3, wait_for=frozenset({7})))
+    done = [i for i, o in enumerate(out) if o is not None]
+    assert len(done) >= 3 and 7 in done
+    assert pool.last_aborted == len(prompts) - len(done)
+    assert all(len(o) == 2 for o in out if o is not None)
+
+
+def test_sampling_follows_the_pools_saved_stream(engines, hf_models):
+    """Two pools with one seed sample alike; a pool given another's saved state continues its stream; an
+    in-process engine's state is refused with what to do."""
+    spec = SamplingSpec(n=2, max_new_tokens=8, temperature=1.0)
+    tokens = lambda out: [c.token_ids for group in complete(out) for c in group]  # noqa: E731
+    a, b = (_pool(engines, hf_models[0], seed=3) for _ in range(2))
+    assert tokens(a.generate(GenerateRequest(PROMPTS, spec))) == tokens(
+        b.generate(GenerateRequest(PROMPTS, spec))
+    )
+    saved = a.rng_state()
+    next_a = tokens(a.generate(GenerateRequest(PROMPTS, spec)))
+    c = _pool(engines, hf_models[0], seed=3)
+    c.set_rng_state(saved)
+    assert tokens(c.generate(GenerateRequest(PROMPTS, spec))) == next_a
+    fresh = _pool(engines, hf_models[0], seed=3)
+    assert next_a != tokens(fresh.generate(GenerateRequest(PROMPTS, spec)))
+    with pytest.raises(YattError, match="placement.rollout_engines"):
+        c.set_rng_state({"cpu": torch.zeros(1, dtype=torch.uint8), "cuda": None})

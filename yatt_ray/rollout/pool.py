@@ -1,0 +1,444 @@
+"""Rollout engines as a placed pool: engine actors of their own, one router, weights from the trainer.
+
+With `placement.mode=disaggregated` and `placement.rollout_engines = E > 0`, the rollout engines are E Ray
+actors (`EngineActor`), each on an accelerator of its own (on CPUs: `placement.cpus_per_engine` CPUs), started
+by the driver before the trainers and restarted by Ray when they die. Every controller reaches them through an
+`EnginePool`, which has the `RolloutEngine` interface, so the collector drives it as it drives an in-process
+engine.
+
+- Routing: one `EngineRouter` actor for the run counts each engine's outstanding work (prompt tokens + n x
+  max_new_tokens per prompt) and assigns a request's prompts to the least-loaded engines, heaviest first; a
+  prompt's n samples always run on one engine. The sub-requests go from the controller to the engines
+  directly: samples never pass through the router or the driver.
+- Weights: after a train step the controller of data-parallel group 0 pushes the policy to every engine, in
+  buckets, and every controller moves to the new weight version. An engine on the pusher's node reads each
+  bucket from the node's object store (one `ray.put`, shared memory); engines on other nodes receive it through
+  a gloo broadcast group from the pusher (host copies of the weights; an NCCL group between GPUs is not wired
+  yet), one flat buffer per dtype a bucket. `rollout.weight_transport` forces either. An engine never shares
+  the trainer's accelerator here (that is the in-process engine's case, where weights move in memory).
+- Failures: a restarted engine holds the model directory's weights, so it is stale. A sub-request that meets a
+  dead or stale engine is sent again, after this controller pushed the current weights to that engine (when it
+  can gather them alone, `train.tp_size=1`) or to another engine. The collector gets every prompt back.
+- Sampling: a request without a seed gets one from the controller's seed and a call counter (the pool's
+  checkpointed random state), so a run given the same routing samples the same again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from yatt_ray.errors import YattError
+from yatt_ray.rollout.base import Completion, GenerateRequest, OnFinished, derive_seed
+
+log = logging.getLogger(__name__)
+
+Bucket = list[tuple[str, torch.Tensor]]
+Weights = Callable[[], Iterable[Iterable[tuple[str, torch.Tensor]]]]  # the policy's buckets, gathered anew
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class EngineActor:
+    """One rollout engine in an actor of its own (`make_engine` inside), with the weight version it holds."""
+
+    def __init__(self, kind: str, model_dir: str, threads: int, engine_kwargs: dict[str, Any]) -> None:
+        from yatt_ray.rollout import make_engine
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.engine = make_engine(kind, model_dir, **engine_kwargs)
+        self.version = -1  # the model directory's weights: stale for any trained version
+        self.group: Any = None
+        self.store: Any = None
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),  # a new one after a restart
+            "version": self.version,
+            "takes_image_features": bool(getattr(self.engine, "takes_image_features", False)),
+        }
+
+    def generate(self, request: GenerateRequest, version: int) -> tuple[list, int] | None:
+        """(per prompt its completions or None if aborted, aborted count); None when this engine's weights
+        are not `version` (restarted since the last push): the caller pushes them or goes elsewhere."""
+        if version != self.version:
+            return None
+        out = self.engine.generate(request)
+        return out, int(self.engine.last_aborted)
+
+    def load_weights(self, bucket: Bucket) -> None:
+        self.engine.load_weights(bucket)
+
+    def finish_weight_sync(self, version: int) -> None:
+        self.engine.finish_weight_sync()
+        self.version = version
+
+    def join_group(self, host: str, port: int, rank: int, size: int, prefix: str) -> None:
+        """Join the pusher's broadcast group as `rank` (blocks until every member joined)."""
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(host, port, size, False, timeout=GROUP_TIMEOUT)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, size, GROUP_TIMEOUT)
+
+    def receive(self, meta: list[tuple[str, tuple[int, ...], str]]) -> None:
+        """One bucket through the broadcast group: `meta` names each tensor's shape and dtype, in order."""
+        buffers = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in _flat_sizes(meta).items()}
+        for buffer in buffers.values():
+            _broadcast(self.group, buffer)
+        self.engine.load_weights(_unflatten(meta, buffers))
+
+
+@dataclass(frozen=True)
+class EngineHandles:
+    """What the driver hands the workers: the engine actors and the router (picklable Ray handles)."""
+
+    engines: list[Any]
+    router: Any
+    transport: str  # auto | object_store | broadcast (rollout.weight_transport)
+
+
+class EngineRouter:
+    """Outstanding work per engine; assigns prompts to the least-loaded engines (heaviest prompt first)."""
+
+    def __init__(self, engines: int) -> None:
+        self.load = [0] * engines
+
+    def assign(self, costs: list[int], exclude: list[int]) -> list[int]:
+        """An engine index per prompt: each prompt, heaviest first, to the engine outside `exclude` with the
+        least work so far."""
+        usable = [e for e in range(len(self.load)) if e not in exclude]
+        assigned = [0] * len(costs)
+        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+            engine = min(usable, key=lambda e: self.load[e])
+            assigned[i] = engine
+            self.load[engine] += costs[i]
+        return assigned
+
+    def release(self, engine: int, cost: int) -> None:
+        self.load[engine] = max(self.load[engine] - cost, 0)
+
+    def loads(self) -> list[int]:
+        return list(self.load)
+
+
+def start_engine_pool(
+    kind: str, model_dir: str, count: int, resources: dict[str, float], engine_kwargs: dict[str, Any],
+    transport: str = "auto",
+) -> EngineHandles:  # fmt: skip
+    """The driver's part: `count` engine actors with `resources` each ({"CPU": c, "GPU": 1}) and the router.
+    Each engine restarts when it dies (its sub-requests are sent again by the pools)."""
+    import ray
+
+    threads = int(resources.get("CPU", 0))
+    gpus = resources.get("GPU", 0.0)
+    actor = ray.remote(EngineActor).options(
+        num_cpus=resources.get("CPU", 1.0), num_gpus=gpus, max_restarts=-1, max_task_retries=0
+    )
+    engines: list[Any] = [
+        actor.remote(kind, model_dir, threads, {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i})
+        for i in range(count)
+    ]
+    router = ray.remote(EngineRouter).options(num_cpus=0).remote(count)
+    ray.get([e.info.remote() for e in engines])  # started (models loaded) before the trainers need them
+    return EngineHandles(engines, router, transport)
+
+
+def stop_engine_pool(handles: EngineHandles) -> None:
+    import ray
+
+    for actor in [*handles.engines, handles.router]:
+        ray.kill(actor, no_restart=True)
+
+
+class EnginePool:
+    """A controller's view of the engine actors, with the `RolloutEngine` interface (see the module docstring).
+
+    `pusher`: this controller pushes weights (data-parallel group 0's); `weights`: gathers the policy's buckets
+    for a restarted engine (None when gathering needs other ranks, tp_size > 1); `seed`: this controller's
+    sampling stream."""
+
+    def __init__(self, handles: EngineHandles, pusher: bool, weights: Weights | None, seed: int) -> None:
+        import ray
+
+        self.engines, self.router, self.transport = handles.engines, handles.router, handles.transport
+        self.pusher, self.weights, self.seed = pusher, weights, seed
+        infos = ray.get([e.info.remote() for e in self.engines])
+        self.takes_image_features = infos[0]["takes_image_features"]
+        self.nodes = [i["node"] for i in infos]
+        self.version = -1
+        self.calls = 0  # requests without a seed so far: the sampling stream's position
+        self.last_aborted = 0
+        self.stats = {"rollout/engine_requests": 0.0, "rollout/resent_prompts": 0.0}
+        self._group_members: list[int] = []  # engines on the broadcast group (pusher only)
+        self._group: Any = None
+        self._store: Any = None
+        self._pids = [i["pid"] for i in infos]
+        self._syncing = False
+
+    # ---- generation -------------------------------------------------------------------------------------
+    def generate(
+        self, request: GenerateRequest, on_finished: OnFinished | None = None
+    ) -> list[list[Completion] | None]:
+        """Split `request` over the engines by the router, gather the results in prompt order; each prompt's
+        `on_finished` as its engine's part returns."""
+        import ray
+
+        if request.spec.seed is None:  # where a prompt runs must not change what it samples
+            request = replace(request, spec=replace(request.spec, seed=derive_seed(self.seed, self.calls)))
+            self.calls += 1
+        results: list[list[Completion] | None] = [None] * len(request.prompts)
+        costs = [len(p) + request.spec.n * request.spec.max_new_tokens for p in request.prompts]
+        avoid: set[int] = set()  # stale engines this controller cannot refresh
+        pending = self._dispatch(request, list(range(len(request.prompts))), costs, avoid)
+        self.last_aborted = 0
+        while pending:
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            engine, idxs = pending.pop(ref)
+            self.router.release.remote(engine, sum(costs[i] for i in idxs))
+            out = self._result(ref, engine)
+            if out is None:  # died or stale: the same prompts again, after weights reached that engine
+                if not self._refresh(engine):
+                    avoid.add(engine)
+                self.stats["rollout/resent_prompts"] += len(idxs)
+                pending.update(self._dispatch(request, idxs, costs, avoid))
+                continue
+            groups, aborted = out
+            self.last_aborted += aborted
+            for i, group in zip(idxs, groups):
+                results[i] = group
+                if group is not None and on_finished is not None:
+                    on_finished(i, group)
+        return results
+
+    def _dispatch(
+        self, request: GenerateRequest, idxs: list[int], costs: list[int], avoid: set[int]
+    ) -> dict[Any, tuple[int, list[int]]]:
+        """One sub-request per engine the router picks for prompts `idxs`: {ref: (engine, its prompts)}."""
+        import ray
+
+        if len(avoid) == len(self.engines):
+            raise YattError(
+                f"no rollout engine holds the policy's weights (version {self.version}): all "
+                f"{len(self.engines)} restarted since the last push and this controller cannot push them alone "
+                "(train.tp_size > 1); the run restarts from its last checkpoint"
+            )
+        assigned = ray.get(self.router.assign.remote([costs[i] for i in idxs], sorted(avoid)))
+        by_engine: dict[int, list[int]] = {}
+        for i, engine in zip(idxs, assigned):
+            by_engine.setdefault(engine, []).append(i)
+        pending = {}
+        for engine, part in by_engine.items():
+            sub = _sub_request(request, part)
+            self.stats["rollout/engine_requests"] += 1
+            pending[self.engines[engine].generate.remote(sub, self.version)] = (engine, part)
+        return pending
+
+    def _result(self, ref: Any, engine: int) -> tuple[list, int] | None:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            log.warning("rollout engine %d failed (%s); its prompts go out again", engine, type(exc).__name__)
+            return None
+
+    def _refresh(self, engine: int) -> bool:
+        """Push the current weights to `engine` (restarted: it waits for it); False when this controller cannot
+        gather them alone."""
+        if self.weights is None:
+            return False
+        actor = self.engines[engine]
+        _wait_until_up(actor)
+        for bucket in self.weights():
+            _push_by_object_store([actor], list(bucket))
+        _finish([actor], self.version)
+        return True
+
+    # ---- weight sync ------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of the new weights to every engine (the pusher only; other controllers skip it)."""
+        if not self.pusher:
+            return
+        if not self._syncing:  # the push's first bucket: every engine up, the broadcast group as it stands
+            self._check_engines()
+            self._syncing = True
+        bucket = [(name, t.detach().cpu()) for name, t in named_tensors]
+        local = [e for i, e in enumerate(self.engines) if i not in self._broadcast_members()]
+        if local:
+            _push_by_object_store(local, bucket)
+        if self._group_members:
+            self._push_by_broadcast(bucket)
+
+    def finish_weight_sync(self, version: int | None = None) -> None:
+        """Every engine holds the pushed weights; this controller's requests ask for `version` from now on (the
+        caller makes the controllers wait for the pusher before they generate)."""
+        self.version = self.version + 1 if version is None else version
+        if self.pusher:
+            if not self._syncing:
+                self._check_engines()
+            _finish(self.engines, self.version)
+        self._syncing = False
+
+    def _check_engines(self) -> None:
+        """Wait for restarting engines; a restarted member of the broadcast group means a new group."""
+        pids = [_wait_until_up(e)["pid"] for e in self.engines]
+        if self._group is not None and any(pids[i] != self._pids[i] for i in self._group_members):
+            self._group = self._store = None  # formed again, with the restarted engines, on first use
+        self._pids = pids
+
+    def _broadcast_members(self) -> list[int]:
+        """Engines that get weights through the broadcast group: those on other nodes (auto), all (broadcast)
+        or none (object_store); the group is formed on first use."""
+        if self._group is None and self.transport != "object_store":
+            import ray
+
+            here = ray.get_runtime_context().get_node_id()
+            members = [
+                i for i, node in enumerate(self.nodes) if self.transport == "broadcast" or node != here
+            ]
+            if members:
+                self._group, self._store = _form_group([self.engines[i] for i in members])
+            self._group_members = members
+        return self._group_members
+
+    def _push_by_broadcast(self, bucket: Bucket) -> None:
+        import ray
+
+        meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
+        refs = [self.engines[i].receive.remote(meta) for i in self._group_members]
+        for buffer in _flatten(bucket).values():
+            _broadcast(self._group, buffer)
+        ray.get(refs)
+
+    # ---- the rest of the engine interface -----------------------------------------------------------------
+    def take_stats(self) -> dict[str, float]:
+        """Sub-requests sent and prompts sent again (after a dead or stale engine) since the last call."""
+        stats, self.stats = self.stats, dict.fromkeys(self.stats, 0.0)
+        return stats
+
+    def sleep(self) -> int:
+        return 0  # the engines hold accelerators of their own: nothing to give back
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the driver stops the actors (stop_engine_pool)
+
+    def rng_state(self) -> dict[str, torch.Tensor | None]:
+        return {"pool_calls": torch.tensor([self.calls], dtype=torch.int64)}
+
+    def set_rng_state(self, state: dict[str, torch.Tensor | None]) -> None:
+        calls = state.get("pool_calls")
+        if calls is None:
+            raise YattError(
+                "the checkpoint's rollout sampling state is an in-process engine's, not an engine pool's: resume "
+                "with the placement the run was saved with (placement.rollout_engines)"
+            )
+        self.calls = int(calls.item())
+
+
+def _sub_request(request: GenerateRequest, part: list[int]) -> GenerateRequest:
+    """The prompts `part` of `request` (in order), with their images, share of `finish_after` and `wait_for`."""
+    images = None if request.images is None else [request.images[i] for i in part]
+    finish_after, wait_for = None, frozenset[int]()
+    if request.finish_after is not None:
+        local = {i: j for j, i in enumerate(part)}
+        wait_for = frozenset(local[i] for i in request.wait_for if i in local)
+        share = -(-request.finish_after * len(part) // len(request.prompts))  # ceil
+        finish_after = min(max(share, 1), len(part))
+    return GenerateRequest(
+        prompts=[request.prompts[i] for i in part],
+        spec=request.spec,
+        images=images,
+        finish_after=finish_after,
+        wait_for=wait_for,
+    )
+
+
+def _wait_until_up(actor: Any, timeout_s: float = 600.0) -> dict[str, Any]:
+    """The engine actor's `info()`, once it answers (a restarting one: its model loaded again); YattError after
+    `timeout_s`."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.info.remote(), timeout=timeout_s)
+        except ray.exceptions.ActorUnavailableError:  # restarting: ask again shortly
+            if time.monotonic() > deadline:
+                raise YattError(f"a rollout engine did not come back within {timeout_s:.0f} s") from None
+            time.sleep(0.2)
+
+
+def _push_by_object_store(engines: list[Any], bucket: Bucket) -> None:
+    import ray
+
+    ref = ray.put(bucket)  # once: every engine on the node reads the same shared-memory object
+    ray.get([e.load_weights.remote(ref) for e in engines])
+
+
+def _finish(engines: list[Any], version: int) -> None:
+    import ray
+
+    ray.get([e.finish_weight_sync.remote(version) for e in engines])
+
+
+def _form_group(members: list[Any]) -> tuple[Any, Any]:
+    """A gloo group: this process (rank 0, the store's host) and `members` (ranks 1..)."""
+    import ray
+    import torch.distributed as dist
+
+    host = ray.util.get_node_ip_address()
+    size = len(members) + 1
+    store = dist.TCPStore(host, 0, size, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+    prefix = f"engines-{socket.gethostname()}-{store.port}"
+    joins = [m.join_group.remote(host, store.port, r + 1, size, prefix) for r, m in enumerate(members)]
+    group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 0, size, GROUP_TIMEOUT)
+    ray.get(joins)
+    return group, store  # the store must live as long as the group
+
+
+def _broadcast(group: Any, buffer: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([buffer], opts).wait()
+
+
+def _flatten(bucket: Bucket) -> dict[str, torch.Tensor]:
+    """One contiguous buffer per dtype, the bucket's tensors in order: {dtype name: [numel]}."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for _, t in bucket:
+        parts.setdefault(str(t.dtype).removeprefix("torch."), []).append(t.reshape(-1))
+    return {dt: torch.cat(ts) for dt, ts in parts.items()}
+
+
+def _flat_sizes(meta: list[tuple[str, tuple[int, ...], str]]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for _, shape, dt in meta:
+        sizes[dt] = sizes.get(dt, 0) + int(torch.Size(shape).numel())
+    return sizes
+
+
+def _unflatten(
+    meta: list[tuple[str, tuple[int, ...], str]], buffers: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    offsets = dict.fromkeys(buffers, 0)
+    for name, shape, dt in meta:
+        n = int(torch.Size(shape).numel())
+        yield name, buffers[dt][offsets[dt] : offsets[dt] + n].view(shape)
+        offsets[dt] += n
