@@ -1,29 +1,47 @@
-"""Placement simulator: step time and idle fraction of full versus partial coexistence under GenRM workloads.
+"""Placement simulator: step time, rollout time and idle fraction of full coexistence, partial coexistence
+(the seed system's) and disaggregated placement under GenRM workloads.
 
     python release/placement_sim.py                                  # defaults: N = 8, 64, 512, 1024
     python release/placement_sim.py --devices 8 16 32 --ratios 0.25 1 --sigmas 0.6
-    python release/placement_sim.py --k 0.25                         # also report a fixed k (fraction of N, or
-                                                                     # a device count such as --k 16)
+    python release/placement_sim.py --share-min 0.1 --share-max 0.5  # bounds on partial's judging share s
+    python release/placement_sim.py --k 0.25                         # also report disaggregated at a fixed k
+                                                                     # (a fraction of N, or a count: --k 16)
     python release/placement_sim.py --costs costs.json               # measured cost constants (Costs fields)
     python release/placement_sim.py --from-metrics runs/x/metrics.jsonl --measured-devices 8
     python release/placement_sim.py --scaling strong --csv out.csv --seed 1
 
 It tests the claim of the WeChat-YATT paper (arXiv 2508.07970) that partial coexistence cuts rollout time by
-16-24% under GenRM workloads, and shows where each placement mode wins. No Ray, no accelerator: it is a model.
+16.2-24.1% under GenRM workloads, and shows where each placement mode wins. No Ray, no accelerator: it is a
+model. The last line sums it up: `placement_sim: partial_rollout_cut_min_pct=... partial_rollout_cut_max_pct=...
+partial_points_cut_ge_16pct=a/b partial_rule_points_cut_ge_16pct=c/b partial_step_gain_max_pct=...
+disaggregated_rollout_cut_max_pct=... disaggregated_step_gain_max_pct=...` (cuts and gains in % of full's time;
+a/b: grid points where partial's rollout phase is at least 16% shorter than full's).
 
-The two modes (as yatt_ray runs them; see DESIGN.md):
-  full     all N devices host trainer + rollout engine + a GenRM replica; per step, in series:
-           generation on N -> switch (engine sleeps, GenRM wakes) -> judging on N -> switch back (GenRM
-           released) -> trainer onload -> log-probs + train on N -> weight sync.
-  partial  k devices hold GenRM replicas only, N - k hold trainer + rollout. Each finished sample goes to the
-           judge at once (a queue served by k replicas), so judging overlaps generation; after the last sample
-           the judge queue drains; then trainer onload -> log-probs + train on N - k -> weight sync. The GenRM
-           devices wait through training. No GenRM switches. k is searched for the best step time.
+The three modes (as yatt_ray runs them; see DESIGN.md):
+  full           all N devices host trainer + rollout engine + a GenRM replica; per step, in series:
+                 generation on N -> switch (engine sleeps, GenRM wakes) -> judging on N -> switch back (GenRM
+                 released) -> trainer onload -> log-probs + train on N -> weight sync.
+  partial        the seed's partial coexistence. All N devices train. In the rollout phase every device holds its
+                 rollout engine and a GenRM replica side by side and both work at once: while a device's engine
+                 generates, a share s of the device judges and 1 - s generates; once its engine is done, the
+                 whole device judges. Each finished sample goes to the judge at once. The replicas wake at the
+                 start of the step (genrm_switch_s, overlapping generation: no judging before it) and are released
+                 after the last score (genrm_switch_s, in series: the trainer needs the memory); then trainer
+                 onload -> log-probs + train on N -> weight sync. s is chosen in every simulated step, within
+                 [--share-min, --share-max] (default 0-0.9), two ways: "part" columns take the s with the
+                 shortest rollout phase (an oracle: the best any share held for the phase can do), "rule"
+                 columns the load-balance rule s = J / (G + J), G the step's generation work (sum of E_d below)
+                 and J its judging work (M c), both in device-seconds, as a balancer measures them.
+  disaggregated  k devices hold GenRM replicas only and never train, N - k hold trainer + rollout. Each finished
+                 sample goes to the judge at once (a queue served by k replicas), so judging overlaps generation;
+                 after the last sample the judge queue drains; then trainer onload -> log-probs + train on N - k
+                 -> weight sync. The GenRM devices wait through training. No GenRM switches. k is searched for the
+                 best step time. (This simulator called it "partial" before; the numbers are the same.)
 
 Model (all times in seconds, one "device" = one accelerator):
   Lengths   each response length is lognormal with mean `response_mean` and spread sigma (the log-std),
             L = clip(round(exp(ln(mean) - sigma^2/2 + sigma z)), 1, response_max), z ~ N(0, 1). The same z are
-            used for every sigma, mode and k (common random numbers), so comparisons are not noise.
+            used for every sigma, mode, k and s (common random numbers), so comparisons are not noise.
   Placement sample j goes to rollout device j mod D (round robin); a device admits up to `max_batch`
             sequences at once and starts the next queued one when a slot frees (continuous batching, FCFS).
   Decoding  one decode iteration of a device with b active sequences costs t0 + t1 * b (a fixed part for
@@ -37,38 +55,66 @@ Model (all times in seconds, one "device" = one accelerator):
             a lone sequence decodes at `seq_decode_tps` (t0 + t1 = 1 / seq_decode_tps) and a full batch of
             `max_batch` at `decode_tps` per device (t0 + max_batch t1 = max_batch / decode_tps).
             prefill = (samples on the device) * prompt_len / prefill_tps, paid up front.
+            a_1 <= ... <= a_M are the finish times of the M samples, E_d the time device d's last one finishes.
   GenRM     judging costs c = ratio * (response_mean / decode_tps) device-seconds per sample at batch: ratio is
             the judge's cost as a fraction of the mean generation cost of a sample. A sample's score is never
             ready sooner than `genrm_latency_s` after it reaches the judge (one judge pass at small batch).
-            full:    T_judge = max(M c / N, genrm_latency_s)               (M samples spread over N devices)
-            partial: k replicas serve the sorted arrivals a_1 <= ... <= a_M as one fluid server of rate k / c:
-                     the last score is in at  max( max_j (a_j + (M - j + 1) c / k),  a_M + genrm_latency_s ).
+            The judges of partial and disaggregated are one fluid server: with A(t) the device-seconds of
+            judging offered by time t, the last score is in at
+                max( A^-1( max_j (A(a_j) + (M - j + 1) c) ),  a_M + genrm_latency_s ).
+            full:          T_judge = max(M c / N, genrm_latency_s)          (M samples spread over N devices)
+            partial:       generation on N at 1 - s of each device: a_j and E_d of the unshared generation
+                           on N stretch to a_j / (1 - s) and E_d / (1 - s); device d offers the judge 0 before
+                           w = genrm_switch_s, then s until its engine ends, then 1:
+                               A(t) = sum_d [ s * |[w, min(t, e_d)]| + |[e_d, t]| ],  e_d = max(E_d / (1 - s), w)
+                           (|[x, y]| = max(y - x, 0)); with the stretched a_j in the formula above.
+            disaggregated: k replicas, A(t) = k t:  max( max_j (a_j + (M - j + 1) c / k),  a_M + genrm_latency_s )
+                           with a_j from generation on N - k.
   Training  log-probs and train scale as tokens * (s per token) / D over the D training devices; tokens are
             prompt + response tokens of the step. trainer_switch_s (optimizer/weights offload + onload) and
-            weight_sync_s (colocated, in memory) are paid in both modes; genrm_switch_s twice, in full only.
-  Steps     full:    rollout = T_gen(N) + genrm_switch + T_judge
-                     step    = rollout + genrm_switch + trainer_switch + T_logprobs(N) + T_train(N) + weight_sync
-            partial: rollout = max(T_gen(N - k), last score in)
-                     step    = rollout + trainer_switch + T_logprobs(N - k) + T_train(N - k) + weight_sync
+            weight_sync_s (colocated, in memory) are paid in every mode; genrm_switch_s twice in full (both in
+            series), twice in partial (the wake overlapping generation, the release in series), never in
+            disaggregated.
+  Steps     full:          rollout = T_gen(N) + genrm_switch + T_judge
+                           step    = rollout + genrm_switch + trainer_switch + T_logprobs(N) + T_train(N)
+                                     + weight_sync
+            partial:       rollout = last score in (never before T_gen(N) / (1 - s))
+                           step    = rollout + genrm_switch + trainer_switch + T_logprobs(N) + T_train(N)
+                                     + weight_sync
+            disaggregated: rollout = max(T_gen(N - k), last score in)
+                           step    = rollout + trainer_switch + T_logprobs(N - k) + T_train(N - k) + weight_sync
             "rollout" is the rollout phase: from the start of the step until the last score is in.
   Idle      busy = a device is executing something (decoding, even a half-empty batch; judging, counted as its
             work content c per sample; log-probs, training, switches, weight sync); idle = waiting for other
             devices: a rollout device that finished before the slowest one, a full-mode device waiting out the
-            judge latency floor, a partial rollout device waiting for the judge queue to drain, a GenRM device
-            with an empty queue and through the whole training phase.
+            judge latency floor, a disaggregated rollout device waiting for the judge queue to drain, a GenRM
+            device with an empty queue and through the whole training phase, a partial device's judging share
+            while the queue is empty. Partial's judging work M c is shared among the devices in proportion to
+            the judging capacity each offered after the wake; the capacity a device offers during the wake
+            counts as busy (loading the replica).
             idle fraction = idle device-seconds / (N * step time).
   Scaling   `weak` (default): the workload (prompts x samples_per_prompt) is given for `reference_devices`
             and grows in proportion to N, so each device carries the same share at every N. `strong`: fixed.
-  Search    k runs over every value below 64 devices, else over a log + linear grid that is then refined
-            around the best step time (and the best rollout time, for the "max cut" column).
-  Noise     a grid point is the mean of --steps simulated steps (default 3), each with its own lengths, so
-            one lucky grouping of the tail on the devices does not decide a winner.
+  Search    disaggregated: k runs over every value below 64 devices, else over a log + linear grid that is
+            then refined around the best step time (and the best rollout time, for the "max cut" column).
+            partial: 21 evenly spaced s in the bounds, then 4 rounds of 9 between the best one's neighbours
+            (step = rollout + terms that do not depend on s, so the s of the best rollout is the best step's).
+  Noise     a grid point is the mean of --steps simulated steps (default 3), each with its own lengths (and
+            partial with its own s; disaggregated's k is one for the point, the best for the mean), so one
+            lucky grouping of the tail on the devices does not decide a winner.
 
 Departures from the real system, on purpose: one device per GenRM replica and per rollout engine (no tensor
 parallelism); response lengths independent within a prompt's group; decode cost independent of context length;
 prefill not interleaved; no network time to ship a sample to the judge; the judge pool is a fluid server, so
-it runs at full batch efficiency even when samples trickle in (optimistic for partial, bounded by the latency
-floor). The default constants are assumptions (see Costs); measure yours and pass them with --costs or
+it runs at full batch efficiency even when samples trickle in (optimistic for partial and disaggregated,
+bounded by the latency floor). Partial: a device is time-shared, so an engine and a judge side by side run
+no faster together than in turn (pessimistic where a half-empty decode batch leaves the device underused);
+the share s is held for the whole rollout phase, so while an engine runs, its judging share is not lent back
+to it when the judge queue is empty (pessimistic); the engine keeps the batch size it has alone, though the
+replica's weights and KV cache beside it take memory (optimistic); the wake takes no generation time
+(optimistic); s is chosen from the step's own loads (a balancer has only the previous steps'). The library
+moves the share by the replicas' number (Serve autoscaling); the model's one s on every device is the fluid
+form of that. The default constants are assumptions (see Costs); measure yours and pass them with --costs or
 --from-metrics.
 """
 
@@ -90,7 +136,12 @@ import numpy as np
 DEFAULT_DEVICES = (8, 64, 512, 1024)
 DEFAULT_RATIOS = (0.1, 0.25, 0.5, 1.0)
 DEFAULT_SIGMAS = (0.3, 0.6, 1.0)
-PAPER_BAND = (16.0, 24.0)  # % rollout-time reduction claimed for partial coexistence under GenRM workloads
+PAPER_BAND = (
+    16.2,
+    24.1,
+)  # % rollout-time reduction the seed reports for partial coexistence under GenRM workloads
+PAPER_CUT = 16.0  # the summary line counts the grid points whose partial rollout cut reaches this %
+DEFAULT_SHARE_BOUNDS = (0.0, 0.9)  # partial: the judging share s of a device while its engine runs
 
 
 @dataclass(frozen=True)
@@ -270,11 +321,12 @@ class ModeResult:
     """One mode at one grid point. `busy` and `idle` hold each device's seconds within the step."""
 
     mode: str
-    k: int  # GenRM devices (0 in full coexistence: every device hosts a replica)
+    k: int  # GenRM-only devices (disaggregated; 0 in full and partial: every device hosts a replica)
     step_s: float
     rollout_s: float
     busy: np.ndarray
     idle: np.ndarray
+    share: float = 0.0  # partial: the judging share s of each device while its engine runs
 
     @property
     def idle_fraction(self) -> float:
@@ -300,6 +352,58 @@ def simulate_full(gen: Generation, judge_cost: float, costs: Costs) -> ModeResul
     return ModeResult("full", 0, step, rollout, busy, idle)
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """A(t), the judging device-seconds offered by time t: piecewise linear through (knots, cum), nondecreasing,
+    rising at `tail_rate` after the last knot."""
+
+    knots: np.ndarray
+    cum: np.ndarray
+    tail_rate: float
+
+    def at(self, t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t, dtype=float)
+        tail = self.cum[-1] + self.tail_rate * (t - self.knots[-1])
+        return np.where(t > self.knots[-1], tail, np.interp(t, self.knots, self.cum))
+
+    def inverse(self, y: float) -> float:
+        """The first time at which A(t) = y > 0."""
+        if y > self.cum[-1]:
+            return float(self.knots[-1] + (y - self.cum[-1]) / self.tail_rate)
+        i = int(np.searchsorted(self.cum, y, side="left"))  # cum[i - 1] < y <= cum[i]: a rising segment
+        slope = (self.cum[i] - self.cum[i - 1]) / (self.knots[i] - self.knots[i - 1])
+        return float(self.knots[i - 1] + (y - self.cum[i - 1]) / slope)
+
+
+def shared_capacity(ends: np.ndarray, share: float, wake: float) -> Capacity:
+    """Partial coexistence: A(t) = sum_d [ s |[w, min(t, e_d)]| + |[e_d, t]| ], e_d = max(ends_d, w).
+
+    ends: when each device's engine is done (already stretched by 1 / (1 - s)). Between consecutive e's the
+    rate is s x (engines still running) + (engines done); nothing before the wake w."""
+    e = np.sort(np.maximum(np.asarray(ends, dtype=float), wake))
+    n = e.size
+    knots = np.concatenate([[0.0, wake], e])
+    done = np.arange(n + 1)  # engines done on [w, e_1), [e_1, e_2), ...
+    rates = np.concatenate([[0.0], share * (n - done[:-1]) + done[:-1]])
+    cum = np.concatenate([[0.0], np.cumsum(rates * np.diff(knots))])
+    return Capacity(knots, cum, float(n))
+
+
+def queue_end(arrivals: np.ndarray, judge_cost: float, capacity: Capacity, latency: float) -> float:
+    """When the last score is in: a fluid queue of work c per sample served by capacity A(t), plus a latency floor.
+
+    arrivals: sorted a_1..a_M. Last departure = A^-1( max_j (A(a_j) + (M - j + 1) c) ), at least a_M + latency.
+    """
+    m = arrivals.size
+    if m == 0:
+        return 0.0
+    floor = float(arrivals[-1] + latency)
+    if judge_cost <= 0:
+        return floor
+    need = (capacity.at(arrivals) + np.arange(m, 0, -1) * judge_cost).max()
+    return max(capacity.inverse(float(need)), floor)
+
+
 def judge_queue_end(arrivals: np.ndarray, judge_cost: float, k: int, latency: float) -> float:
     """When the last score is in: k replicas as one fluid server of rate k / judge_cost, plus a latency floor.
 
@@ -312,8 +416,36 @@ def judge_queue_end(arrivals: np.ndarray, judge_cost: float, k: int, latency: fl
     return float(max((arrivals + remaining).max(), arrivals[-1] + latency))
 
 
-def simulate_partial(gen: Generation, k: int, judge_cost: float, costs: Costs) -> ModeResult:
-    """Partial coexistence: gen ran on N - k devices, k devices judge (see the module docstring)."""
+def simulate_partial(gen: Generation, share: float, judge_cost: float, costs: Costs) -> ModeResult:
+    """Partial coexistence (the seed's): gen ran unshared on all N devices; engines at 1 - share, judges beside them
+    (see the module docstring)."""
+    n, m, wake = gen.devices, gen.finish.size, costs.genrm_switch_s
+    ends = gen.device_end / (1.0 - share)
+    capacity = shared_capacity(ends, share, wake)
+    rollout = queue_end(gen.finish / (1.0 - share), judge_cost, capacity, costs.genrm_latency_s)
+    train = _train_phase(gen.tokens, n, costs)
+    step = rollout + wake + train
+    busy = gen.device_end + _partial_judge_busy(ends, share, wake, rollout, m * judge_cost) + wake + train
+    idle = step - busy
+    idle[np.abs(idle) < 1e-9 * step] = 0.0  # rounding: a device busy to the end of the step
+    return ModeResult("partial", 0, step, rollout, busy, idle, share)
+
+
+def _partial_judge_busy(
+    ends: np.ndarray, share: float, wake: float, rollout: float, work: float
+) -> np.ndarray:
+    """Each device's wake (the capacity it offers the judge before w, cut at the end of the rollout phase) plus
+    its part of the judging work, in proportion to the capacity it offers after the wake."""
+    w = min(wake, rollout)
+    waking = share * np.minimum(ends, w) + np.maximum(w - ends, 0.0)
+    e = np.maximum(ends, wake)
+    offered = share * np.maximum(np.minimum(rollout, e) - wake, 0.0) + np.maximum(rollout - e, 0.0)
+    total = offered.sum()
+    return waking + (work * offered / total if total > 0 else 0.0)
+
+
+def simulate_disaggregated(gen: Generation, k: int, judge_cost: float, costs: Costs) -> ModeResult:
+    """Disaggregated: gen ran on N - k devices, k devices judge only (see the module docstring)."""
     m = gen.finish.size
     scored = judge_queue_end(gen.finish, judge_cost, k, costs.genrm_latency_s)
     rollout = max(gen.time, scored)
@@ -322,7 +454,28 @@ def simulate_partial(gen: Generation, k: int, judge_cost: float, costs: Costs) -
     judge_work = m * judge_cost / k
     busy = np.concatenate([gen.device_end + train, np.full(k, judge_work)])
     idle = np.concatenate([rollout - gen.device_end, np.full(k, (rollout - judge_work) + train)])
-    return ModeResult("partial", k, step, rollout, busy, idle)
+    return ModeResult("disaggregated", k, step, rollout, busy, idle)
+
+
+def balanced_share(gen_work: float, judge_work: float, bounds: tuple[float, float]) -> float:
+    """The load-balance rule: judging's part of the rollout phase's work, J / (G + J), clamped into bounds."""
+    total = gen_work + judge_work
+    share = judge_work / total if total > 0 else 0.0
+    return min(max(share, bounds[0]), bounds[1])
+
+
+def search_share(
+    evaluate: Callable[[float], ModeResult], bounds: tuple[float, float], rounds: int = 4
+) -> ModeResult:
+    """Partial at the share with the shortest rollout phase: 21 evenly spaced shares in bounds, then `rounds`
+    rounds of nine evenly spaced shares between the best one's neighbours."""
+    tried = {float(s): evaluate(float(s)) for s in np.linspace(bounds[0], bounds[1], 21)}
+    for _ in range(rounds):
+        shares = sorted(tried)
+        best = shares.index(min(shares, key=lambda s: (tried[s].rollout_s, s)))
+        lo, hi = shares[max(best - 1, 0)], shares[min(best + 1, len(shares) - 1)]
+        tried.update({float(s): evaluate(float(s)) for s in np.linspace(lo, hi, 9) if float(s) not in tried})
+    return min(tried.values(), key=lambda r: (r.rollout_s, r.share))
 
 
 def k_candidates(n: int, dense_up_to: int = 64, coarse: int = 48) -> list[int]:
@@ -334,8 +487,8 @@ def k_candidates(n: int, dense_up_to: int = 64, coarse: int = 48) -> list[int]:
 
 
 def search_k(n: int, evaluate: Callable[[int], ModeResult]) -> dict[int, ModeResult]:
-    """Evaluate partial coexistence over k: a coarse grid, then, around the best step time and around the best
-    rollout time, nine evenly spaced k between the best's neighbours, until the neighbours are adjacent.
+    """Evaluate disaggregated placement over k: a coarse grid, then, around the best step time and around the
+    best rollout time, nine evenly spaced k between the best's neighbours, until the neighbours are adjacent.
     Returns {k: result} for every k tried."""
     tried = {k: evaluate(k) for k in k_candidates(n)}
     for key in (lambda r: r.step_s, lambda r: r.rollout_s):
@@ -355,29 +508,38 @@ def search_k(n: int, evaluate: Callable[[int], ModeResult]) -> dict[int, ModeRes
 
 @dataclass
 class Cell:
-    """One grid point: full coexistence, partial at its best k, and partial at a fixed k when asked."""
+    """One grid point: full coexistence; partial at its best share and at the load-balance share;
+    disaggregated at its best k, at the k of its shortest rollout, and at a fixed k when asked."""
 
     devices: int
     ratio: float
     sigma: float
     full: ModeResult
-    partial: ModeResult
-    best_rollout: ModeResult  # partial at the k with the shortest rollout phase
-    fixed: ModeResult | None
+    partial: ModeResult  # the share with the shortest rollout phase, chosen per simulated step
+    partial_rule: ModeResult  # the load-balance share J / (G + J) of each simulated step
+    disaggregated: ModeResult  # the step-optimal k
+    best_rollout: ModeResult  # disaggregated at the k with the shortest rollout phase
+    fixed: ModeResult | None  # disaggregated at --k
+
+    def cut(self, result: ModeResult, phase: str = "rollout") -> float:
+        """% of full's rollout (or step) time that `result` saves (positive: faster than full)."""
+        attr = f"{phase}_s"
+        return 100 * (1 - getattr(result, attr) / getattr(self.full, attr))
 
     @property
-    def rollout_cut(self) -> float:
-        """% rollout-phase time saved by partial (at its step-optimal k) against full."""
-        return 100 * (1 - self.partial.rollout_s / self.full.rollout_s)
+    def partial_rollout_cut(self) -> float:
+        return self.cut(self.partial)
 
     @property
-    def step_cut(self) -> float:
-        return 100 * (1 - self.partial.step_s / self.full.step_s)
+    def disaggregated_rollout_cut(self) -> float:
+        return self.cut(self.disaggregated)
 
     @property
     def winner(self) -> str:
-        rel = self.step_cut
-        return "tie" if abs(rel) < 0.5 else ("partial" if rel > 0 else "full")
+        """The mode with the shortest step, joined by '=' with any other within 0.5% of it."""
+        modes = {"full": self.full, "part": self.partial, "disagg": self.disaggregated}
+        best = min(r.step_s for r in modes.values())
+        return "=".join(name for name, r in modes.items() if r.step_s <= best * 1.005)
 
 
 def resolve_k(spec: str | None, n: int) -> int | None:
@@ -399,7 +561,20 @@ def mean_result(results: list[ModeResult]) -> ModeResult:
         rollout_s=float(np.mean([r.rollout_s for r in results])),
         busy=np.mean([r.busy for r in results], axis=0),
         idle=np.mean([r.idle for r in results], axis=0),
+        share=float(np.mean([r.share for r in results])),
     )
+
+
+def partial_results(
+    gens: list[Generation], judge_cost: float, costs: Costs, bounds: tuple[float, float]
+) -> tuple[ModeResult, ModeResult]:
+    """Partial over the simulated steps: (at each step's best share, at each step's load-balance share)."""
+    best, rule = [], []
+    for g in gens:
+        best.append(search_share(lambda s, g=g: simulate_partial(g, s, judge_cost, costs), bounds))
+        share = balanced_share(float(g.device_end.sum()), g.finish.size * judge_cost, bounds)
+        rule.append(simulate_partial(g, share, judge_cost, costs))
+    return mean_result(best), mean_result(rule)
 
 
 def run_grid(
@@ -411,17 +586,19 @@ def run_grid(
     k_spec: str | None = None,
     seed: int = 0,
     steps: int = 3,
+    share_bounds: tuple[float, float] = DEFAULT_SHARE_BOUNDS,
 ) -> list[Cell]:
     """Simulate every (N, ratio, sigma), each the mean of `steps` steps with their own response lengths.
 
     Step s draws its standard normals from the stream (seed, s), so strong scaling sees the same samples at
     every N, and weak scaling's smaller workloads are prefixes of the larger ones. Generation on D devices
-    depends only on (N, sigma, D): it is cached across GenRM ratios and k.
+    depends only on (N, sigma, D): it is cached across GenRM ratios, k and modes.
     """
+    check_share_bounds(share_bounds)
     cells = []
     for n in devices:
         if n < 2:
-            raise ValueError(f"cluster size {n}: partial coexistence needs at least 2 devices")
+            raise ValueError(f"cluster size {n}: disaggregated placement needs at least 2 devices")
         m = costs.samples(n, scaling)
         zs = [np.random.default_rng([seed, s]).standard_normal(m) for s in range(steps)]
         for sigma in sigmas:
@@ -433,19 +610,26 @@ def run_grid(
                     cache[d] = [simulate_generation(lengths, d, costs) for lengths in draws]
                 return cache[d]
 
-            def partial(k: int, c: float, gens=gens, n=n) -> ModeResult:
-                return mean_result([simulate_partial(g, k, c, costs) for g in gens(n - k)])
+            def disaggregated(k: int, c: float, gens=gens, n=n) -> ModeResult:
+                return mean_result([simulate_disaggregated(g, k, c, costs) for g in gens(n - k)])
 
             for ratio in ratios:
                 judge_cost = ratio * costs.gen_cost_per_sample()
                 full = mean_result([simulate_full(g, judge_cost, costs) for g in gens(n)])
-                tried = search_k(n, lambda k, c=judge_cost: partial(k, c))
+                partial, rule = partial_results(gens(n), judge_cost, costs, share_bounds)
+                tried = search_k(n, lambda k, c=judge_cost: disaggregated(k, c))
                 k_fixed = resolve_k(k_spec, n)
-                fixed = partial(k_fixed, judge_cost) if k_fixed else None
+                fixed = disaggregated(k_fixed, judge_cost) if k_fixed else None
                 best = min(tried.values(), key=lambda r: (r.step_s, r.k))
                 best_rollout = min(tried.values(), key=lambda r: (r.rollout_s, r.k))
-                cells.append(Cell(n, ratio, sigma, full, best, best_rollout, fixed))
+                cells.append(Cell(n, ratio, sigma, full, partial, rule, best, best_rollout, fixed))
     return cells
+
+
+def check_share_bounds(bounds: tuple[float, float]) -> None:
+    lo, hi = bounds
+    if not 0.0 <= lo <= hi < 1.0:
+        raise ValueError(f"share bounds {lo:g}..{hi:g}: need 0 <= --share-min <= --share-max < 1")
 
 
 # ---------------------------------------------------------------------------------------------------- cost inputs
@@ -520,39 +704,50 @@ COLUMNS = (
     ("part step", 9, ".1f"),
     ("part roll", 9, ".1f"),
     ("part idle", 9, ".1%"),
+    ("s", 4, ".2f"),
+    ("part rcut", 9, "+.1f"),
+    ("part scut", 9, "+.1f"),
+    ("rule s", 6, ".2f"),
+    ("rule rcut", 9, "+.1f"),
+    ("dis step", 8, ".1f"),
+    ("dis roll", 8, ".1f"),
+    ("dis idle", 8, ".1%"),
     ("k", 4, "d"),
     ("k/N", 5, ".1%"),
-    ("roll cut", 8, "+.1f"),
-    ("step cut", 8, "+.1f"),
-    ("max cut", 7, "+.1f"),
+    ("dis rcut", 8, "+.1f"),
+    ("dis scut", 8, "+.1f"),
+    ("dis max", 7, "+.1f"),
     ("@k", 4, "d"),
-    ("winner", 7, "s"),
+    ("winner", 11, "s"),
 )
-FIXED_COLUMNS = (("k fix", 5, "d"), ("fix step", 8, ".1f"), ("fix roll", 8, ".1f"), ("fix cut", 7, "+.1f"))
+FIXED_COLUMNS = (("k fix", 5, "d"), ("fix step", 8, ".1f"), ("fix roll", 8, ".1f"), ("fix rcut", 8, "+.1f"))
+LEGEND = (
+    "times in s; idle = idle device-s / (N x step); rcut / scut = rollout / step time saved against full, in % "
+    "(positive: faster than full)\npart = partial at its best judging share s per step (s: the mean); rule = "
+    "partial at the load-balance share J / (G + J); dis = disaggregated at its step-optimal k GenRM-only "
+    "devices;\ndis max = its best rollout cut over k, @k that k; winner = fastest step (= joins modes within 0.5%)"
+)
 
 
 def cell_row(c: Cell) -> list:
     """The table's values for one cell, in COLUMNS (+ FIXED_COLUMNS) order."""
-    n = c.devices
+    n, p, d = c.devices, c.partial, c.disaggregated
     row = [
         n, c.ratio, c.sigma,
         c.full.step_s, c.full.rollout_s, c.full.idle_fraction,
-        c.partial.step_s, c.partial.rollout_s, c.partial.idle_fraction, c.partial.k, c.partial.k / n,
-        c.rollout_cut, c.step_cut, 100 * (1 - c.best_rollout.rollout_s / c.full.rollout_s), c.best_rollout.k,
+        p.step_s, p.rollout_s, p.idle_fraction, p.share, c.cut(p), c.cut(p, "step"),
+        c.partial_rule.share, c.cut(c.partial_rule),
+        d.step_s, d.rollout_s, d.idle_fraction, d.k, d.k / n, c.cut(d), c.cut(d, "step"),
+        c.cut(c.best_rollout), c.best_rollout.k,
         c.winner,
     ]  # fmt: skip
     if c.fixed is not None:
-        row += [
-            c.fixed.k,
-            c.fixed.step_s,
-            c.fixed.rollout_s,
-            100 * (1 - c.fixed.rollout_s / c.full.rollout_s),
-        ]
+        row += [c.fixed.k, c.fixed.step_s, c.fixed.rollout_s, c.cut(c.fixed)]
     return row
 
 
 def format_table(cells: list[Cell]) -> str:
-    """Aligned text table: times in seconds, idle as % of N x step, cuts in % (positive: partial is faster)."""
+    """Aligned text table: times in seconds, idle as % of N x step, cuts in % (positive: faster than full)."""
     cols = COLUMNS + (FIXED_COLUMNS if cells and cells[0].fixed is not None else ())
     lines = ["  ".join(f"{name:>{width}}" for name, width, _ in cols)]
     for c in cells:
@@ -586,43 +781,63 @@ def _where(cells: list[Cell], all_n: list[int]) -> str:
     return "; ".join(parts)
 
 
+def _band_lines(name: str, cells: list[Cell], cut: Callable[[Cell], float], all_n: list[int]) -> list[str]:
+    """Verdict lines for one mode's rollout cut: its range, the paper's band, above it, at least 16%."""
+    lo, hi = PAPER_BAND
+    cuts = [cut(c) for c in cells]
+    total = len(cells)
+    band = [c for c, x in zip(cells, cuts) if lo <= x <= hi]
+    above = [c for c, x in zip(cells, cuts) if x > hi]
+    return [
+        f"- {name}: rollout cut {min(cuts):+.1f}% to {max(cuts):+.1f}%; at least {PAPER_CUT:g}% at "
+        f"{sum(x >= PAPER_CUT for x in cuts)}/{total}.",
+        f"  In the paper's {lo:g}-{hi:g}% band at {len(band)}/{total}: {_where(band, all_n)}.",
+        f"  Above {hi:g}% at {len(above)}/{total}: {_where(above, all_n)}.",
+    ]
+
+
 def verdict(cells: list[Cell]) -> str:
     """A short verdict computed from the cells: where the paper's band is reproduced, where each mode wins."""
     all_n = sorted({c.devices for c in cells})
-    lo, hi = PAPER_BAND
     total = len(cells)
-    band = [c for c in cells if lo <= c.rollout_cut <= hi]
-    above = [c for c in cells if c.rollout_cut > hi]
-    below = [c for c in cells if c.rollout_cut < lo]
-    partial = [c for c in cells if c.winner == "partial"]
-    full = [c for c in cells if c.winner == "full"]
-    ties = [c for c in cells if c.winner == "tie"]
 
     def mean_cut(key: str, value: float) -> float:
-        sel = [c.rollout_cut for c in cells if getattr(c, key) == value]
+        sel = [c.partial_rollout_cut for c in cells if getattr(c, key) == value]
         return sum(sel) / len(sel)
 
-    ratios = sorted({c.ratio for c in cells})
-    sigmas = sorted({c.sigma for c in cells})
-    lines = [
-        f"Verdict ({total} grid points; rollout cut = partial at its step-optimal k vs full):",
-        f"- Paper's {lo:g}-{hi:g}% rollout-time cut reproduced at {len(band)}/{total}: {_where(band, all_n)}.",
-        f"- Cut above {hi:g}% at {len(above)}/{total}: {_where(above, all_n)}.",
-        f"- Cut below {lo:g}% (or partial slower) at {len(below)}/{total}: {_where(below, all_n)}.",
-        "- Mean rollout cut by GenRM cost ratio: "
-        + ", ".join(f"{r:g}: {mean_cut('ratio', r):+.1f}%" for r in ratios)
+    lines = [f"Verdict ({total} grid points; rollout cut = rollout-phase time saved against full):"]
+    lines += _band_lines("Partial (the seed's), best share", cells, lambda c: c.partial_rollout_cut, all_n)
+    lines += _band_lines("Partial, load-balance share", cells, lambda c: c.cut(c.partial_rule), all_n)
+    lines += _band_lines("Disaggregated, step-optimal k", cells, lambda c: c.disaggregated_rollout_cut, all_n)
+    lines.append(
+        "- Mean partial rollout cut by GenRM cost ratio: "
+        + ", ".join(f"{r:g}: {mean_cut('ratio', r):+.1f}%" for r in sorted({c.ratio for c in cells}))
         + "; by length spread sigma: "
-        + ", ".join(f"{s:g}: {mean_cut('sigma', s):+.1f}%" for s in sigmas)
-        + ".",
-        f"- Partial wins the step (>0.5% faster) at {len(partial)}/{total}: {_where(partial, all_n)}.",
-        f"- Full wins the step at {len(full)}/{total}: {_where(full, all_n)}.",
-    ]
-    if ties:
-        lines.append(f"- Within 0.5% (tie) at {len(ties)}/{total}: {_where(ties, all_n)}.")
+        + ", ".join(f"{s:g}: {mean_cut('sigma', s):+.1f}%" for s in sorted({c.sigma for c in cells}))
+        + "."
+    )
+    for winner in sorted({c.winner for c in cells}):
+        won = [c for c in cells if c.winner == winner]
+        lines.append(f"- Fastest step {winner} at {len(won)}/{total}: {_where(won, all_n)}.")
     return "\n".join(lines)
 
 
-def describe(costs: Costs, scaling: str) -> str:
+def summary_line(cells: list[Cell]) -> str:
+    """The last line of the printout: the headline figures, key=value."""
+    part = [c.partial_rollout_cut for c in cells]
+    rule = [c.cut(c.partial_rule) for c in cells]
+    total = len(cells)
+    return (
+        f"placement_sim: partial_rollout_cut_min_pct={min(part):.1f} partial_rollout_cut_max_pct={max(part):.1f} "
+        f"partial_points_cut_ge_16pct={sum(x >= PAPER_CUT for x in part)}/{total} "
+        f"partial_rule_points_cut_ge_16pct={sum(x >= PAPER_CUT for x in rule)}/{total} "
+        f"partial_step_gain_max_pct={max(c.cut(c.partial, 'step') for c in cells):.1f} "
+        f"disaggregated_rollout_cut_max_pct={max(c.disaggregated_rollout_cut for c in cells):.1f} "
+        f"disaggregated_step_gain_max_pct={max(c.cut(c.disaggregated, 'step') for c in cells):.1f}"
+    )
+
+
+def describe(costs: Costs, scaling: str, share_bounds: tuple[float, float]) -> str:
     t0, t1 = costs.decode_constants()
     return (
         f"cost model: decode {costs.decode_tps:g} tok/s/device at batch {costs.max_batch}, "
@@ -630,9 +845,11 @@ def describe(costs: Costs, scaling: str) -> str:
         f"responses mean {costs.response_mean:g} (max {costs.response_max}) + prompt {costs.prompt_len} tokens; "
         f"{costs.prompts} prompts x {costs.samples_per_prompt} per {costs.reference_devices} devices ({scaling} "
         f"scaling); GenRM cost = ratio x {costs.gen_cost_per_sample():.3f} device-s/sample, latency "
-        f"{costs.genrm_latency_s:g} s, switch {costs.genrm_switch_s:g} s (x2, full only); trainer switch "
-        f"{costs.trainer_switch_s:g} s; log-probs + train {1e6 * costs.logprob_s_per_token:g} + "
-        f"{1e6 * costs.train_s_per_token:g} us/token/device; weight sync {costs.weight_sync_s:g} s"
+        f"{costs.genrm_latency_s:g} s, switch {costs.genrm_switch_s:g} s (full: x2 in series; partial: wake "
+        f"beside generation + release in series; disaggregated: none); partial's judging share s in "
+        f"{share_bounds[0]:g}..{share_bounds[1]:g}; trainer switch {costs.trainer_switch_s:g} s; log-probs + train "
+        f"{1e6 * costs.logprob_s_per_token:g} + {1e6 * costs.train_s_per_token:g} us/token/device; weight sync "
+        f"{costs.weight_sync_s:g} s"
     )
 
 
@@ -641,7 +858,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--devices", type=int, nargs="+", default=list(DEFAULT_DEVICES), help="cluster sizes N")
     p.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS), help="GenRM cost ratios")
     p.add_argument("--sigmas", type=float, nargs="+", default=list(DEFAULT_SIGMAS), help="length spreads")
-    p.add_argument("--k", default=None, help="also report a fixed GenRM device count (16) or fraction (0.25)")
+    p.add_argument(
+        "--k",
+        default=None,
+        help="also report disaggregated at a fixed GenRM-only device count (16) or fraction (0.25)",
+    )
+    p.add_argument(
+        "--share-min", type=float, default=DEFAULT_SHARE_BOUNDS[0], help="partial: least judging share"
+    )
+    p.add_argument(
+        "--share-max", type=float, default=DEFAULT_SHARE_BOUNDS[1], help="partial: most judging share"
+    )
     p.add_argument("--scaling", choices=("weak", "strong"), default="weak")
     p.add_argument("--costs", default=None, help="JSON object of Costs fields")
     p.add_argument("--from-metrics", default=None, help="derive costs from a yatt_ray metrics.jsonl")
@@ -649,13 +876,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--csv", default=None, help="also write the table as CSV here")
     p.add_argument("--steps", type=int, default=3, help="simulated steps averaged per grid point")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        check_share_bounds((args.share_min, args.share_max))
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def main(argv: list[str]) -> list[Cell]:
     args = parse_args(argv)
     costs = load_costs(args.costs)
     ratios = list(args.ratios)
+    bounds = (args.share_min, args.share_max)
     if args.from_metrics:
         costs, measured = costs_from_metrics(args.from_metrics, args.measured_devices, costs)
         if measured is not None and round(measured, 3) > 0:
@@ -667,13 +900,12 @@ def main(argv: list[str]) -> list[Cell]:
             print(
                 f"measured reward cost ratio {measured:.2g}: a rule reward, not a GenRM; not added to --ratios"
             )
-    print(describe(costs, args.scaling))
+    print(describe(costs, args.scaling, bounds))
     start = time.perf_counter()
-    cells = run_grid(costs, args.devices, ratios, args.sigmas, args.scaling, args.k, args.seed, args.steps)
-    print(
-        "\ntimes in s; idle = idle device-s / (N x step); cuts in % of full (positive: partial faster); "
-        "max cut = best rollout cut over k, @k its k\n"
+    cells = run_grid(
+        costs, args.devices, ratios, args.sigmas, args.scaling, args.k, args.seed, args.steps, bounds
     )
+    print(f"\n{LEGEND}\n")
     print(format_table(cells))
     if args.csv:
         write_csv(cells, args.csv)
@@ -683,6 +915,7 @@ def main(argv: list[str]) -> list[Cell]:
     print(
         f"\n({time.perf_counter() - start:.1f} s; mean of {args.steps} simulated steps per point, seed {args.seed})"
     )
+    print(summary_line(cells))
     return cells
 
 

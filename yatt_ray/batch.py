@@ -13,7 +13,8 @@ The policy's per-position outputs `out[:, t]` ([N, P + R - 1]) score token t+1, 
 
 Fields filled by later phases (None until then): reward: `rewards` [N] (and `greedy_rewards` [N / group_size]
 for ReMax's baseline); log-probs: `old_logp`, `ref_logp`, `values`, `tis_weights` [N, R]; advantages:
-`advantages`, `returns` [N, R].
+`advantages`, `returns` [N, R], and `overlong_penalty` [N] (DAPO's length penalty added to `rewards` for the
+estimator, `algo.overlong_buffer` > 0; `rewards` itself stays the task reward).
 
 Image prompts (a vision-language policy) add, from the rollout on, each prompt's images ONCE however many
 samples it has: `images` (a `PromptImages`: the pixels of the batch's prompts, prompt after prompt) and the row
@@ -33,7 +34,7 @@ from torch import Tensor
 
 ROW_FIELDS = (
     "input_ids", "attention_mask", "response_mask", "rollout_logp", "rewards",
-    "old_logp", "ref_logp", "values", "tis_weights", "advantages", "returns", "image_prompt",
+    "old_logp", "ref_logp", "values", "tis_weights", "advantages", "returns", "image_prompt", "overlong_penalty",
 )  # fmt: skip
 
 
@@ -170,6 +171,7 @@ class RolloutBatch:
     tis_weights: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    overlong_penalty: Tensor | None = None
     image_prompt: Tensor | None = None
     images: PromptImages | None = None
     truncated: int = 0  # responses cut at rollout.max_new_tokens

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,15 @@ from yatt_ray.rollout.base import GenerateRequest, Images, SamplingSpec, complet
 log = logging.getLogger(__name__)
 
 ImageFeatures = Callable[[list[Pixels]], list[torch.Tensor]]  # the policy's `image_features`
+
+
+@dataclass
+class InFlight:
+    """A step's prompts generating on the engine actors (asynchronous rollout)."""
+
+    rows: list  # FeedRow, popped from the feed and not yet consumed
+    encoded: list  # their EncodedPrompt
+    generation: Any  # rollout.pool.Generation
 
 
 class RolloutCollector:
@@ -73,6 +82,7 @@ class RolloutCollector:
         self.engine: Any = None
         self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
         self.step_rows: list = []  # the prompt rows the latest step consumed (trained on, or dropped)
+        self.inflight: dict[int, InFlight] = {}  # asynchronous rollout: steps whose prompts are generating
         self.stop_ids = tuple({tokenizer.eos_token_id} - {None})
         layout = ImageLayout.from_model_dir(config.model.path)  # None for a text policy
         self.prompts = PromptEncoder(
@@ -93,7 +103,7 @@ class RolloutCollector:
 
     # ---- one step -------------------------------------------------------------------------------------------
     def collect(self, step: int) -> RolloutBatch:
-        """Draw, generate and score until the group holds its share of prompt groups; the scored batch.
+        """The scored batch of `step` (asynchronous rollout: `collect_started`). Draw, generate and score until the group holds its share of prompt groups; the scored batch.
 
         Every draw starts `ceil(rollout.over_sample x target)` prompts (queue first, then the stream), where
         `target` is what it still needs over the recent keep rate of dynamic sampling (1 without it); the
@@ -104,6 +114,8 @@ class RolloutCollector:
         aborted, goes back to the queue unconsumed. Collective over the controllers (`_lockstep`): every group
         reads its stream in lockstep (see `yatt_ray.data.feed`).
         """
+        if self.config.rollout.max_staleness > 0:
+            return self.collect_started(step)
         dynamic = self.config.algo.dynamic_sampling
         kept, dropped, spare, counts = self._draw_until_full(step)
         self.scorer.discard([s for g in spare for s in g.samples])  # streamed to the GenRM, never scored
@@ -140,6 +152,73 @@ class RolloutCollector:
                 "dynamic/dropped_groups": float(len(dropped)),
                 "dynamic/batch_full": float(len(kept) >= self.share),
             })  # fmt: skip
+        return batch
+
+    # ---- asynchronous rollout (rollout.max_staleness > 0; engine actors) ----------------------------------------
+    def start(self, step: int) -> None:
+        """Draw step `step`'s share of prompts and send it to the engine actors now; `collect(step)` gathers it,
+        so the engines generate while the trainer trains. The rows stay unconsumed (held in flight) until
+        trained: a checkpoint taken meanwhile leaves them to be read and generated again by a resumed run.
+        Collective over the controllers (the lockstep read)."""
+        if step in self.inflight:
+            return
+        self._lockstep(self.share, self.share)
+        rows = self.feed.pop(self.share)
+        encoded = [self.prompts.encode(r.row) for r in rows]
+        request = GenerateRequest([e.ids for e in encoded], self.sampling(), images=self.images(encoded))
+        self.inflight[step] = InFlight(rows, encoded, self.engine.submit(request))
+
+    def collect_started(self, step: int) -> RolloutBatch:
+        """The batch of a step started earlier (or now: a run's first step, the first after a resume): wait for
+        its samples (each prompt's streamed to the GenRM as it returns), score, consume, pack. Each sample's
+        staleness, the trainer's weight version less the version that generated it, is at most
+        `rollout.max_staleness` by construction (`GroupController` starts step s + eta before training step
+        s); a prompt past the bound (an engine that ran late) is generated again now and counted
+        (`async/aged_out`), never dropped."""
+        self.start(step)
+        job = self.inflight.pop(step)
+        self.step_rows, streamed = [], set()
+
+        def samples(i: int, completions: list) -> list[Sample]:
+            return self._samples(
+                f"{step}/{self.dp_rank}/a", i, job.rows[i].row, job.encoded[i].text, completions
+            )
+
+        def finished(i: int, completions: list) -> None:
+            if self.streams_to_genrm:
+                streamed.add(i)
+                self.scorer.submit(samples(i, completions))
+
+        with self.timer.phase("rollout"):
+            outs = complete(self.engine.wait(job.generation, finished))
+            ages = [self.engine.age(v) for v in job.generation.versions]
+            aged = [i for i, age in enumerate(ages) if age > self.config.rollout.max_staleness]
+            if aged:  # generated again now, with the trainer's weights
+                self.scorer.discard([s for i in aged if i in streamed for s in samples(i, outs[i])])
+                streamed -= set(aged)
+                encoded = [job.encoded[i] for i in aged]
+                redo = GenerateRequest([e.ids for e in encoded], self.sampling(), images=self.images(encoded))
+                generation = self.engine.submit(redo)
+                again = complete(self.engine.wait(generation, lambda k, c: finished(aged[k], c)))
+                for k, i in enumerate(aged):
+                    outs[i], ages[i] = again[k], self.engine.age(generation.versions[k])
+        groups = [
+            Group(job.rows[i], job.encoded[i].ids, job.encoded[i].clipped, outs[i], samples(i, outs[i]),
+                  streamed=i in streamed, pixels=job.encoded[i].pixels)
+            for i in range(len(outs))
+        ]  # fmt: skip
+        kept: list[Group] = []
+        self._take(groups, kept, [])
+        batch = self._pack(kept)
+        batch.counters = {
+            **self.scorer.take_stats(),
+            **self.engine.take_stats(),
+            "async/staleness_mean": sum(ages) / max(len(ages), 1),
+            "async/staleness_max": float(max(ages, default=0)),
+            "async/aged_out": float(len(aged)),
+            "async/inflight_steps": float(len(self.inflight)),
+            "data/queued_prompts": float(len(self.feed.queue)),
+        }
         return batch
 
     def _draw_until_full(self, step: int) -> tuple[list[Group], list[Group], list[Group], dict[str, int]]:
@@ -217,17 +296,9 @@ class RolloutCollector:
         streamed: set[int] = set()
 
         def samples_of(i: int, completions: list) -> list[Sample]:
-            row = rows[i].row
-            return [
-                Sample(
-                    key=f"{step}/{self.dp_rank}/{draw}/{i * spec.n + j}",
-                    prompt=encoded[i].text,
-                    response=self.decode(c.token_ids),
-                    ground_truth=str(row["ground_truth"]),
-                    data_source=str(row["data_source"]),
-                )
-                for j, c in enumerate(completions)
-            ]
+            return self._samples(
+                f"{step}/{self.dp_rank}/{draw}", i, rows[i].row, encoded[i].text, completions
+            )
 
         def finished(i: int, completions: list) -> None:
             order.append(i)
@@ -256,6 +327,20 @@ class RolloutCollector:
             for i in done
         ]  # fmt: skip
         return groups, [rows[i] for i in aborted]
+
+    def _samples(self, key: str, i: int, row: dict, prompt: str, completions: list) -> list[Sample]:
+        """Prompt `i`'s samples for the scorer, keyed `<key>/<sample index>`."""
+        n = len(completions)
+        return [
+            Sample(
+                key=f"{key}/{i * n + j}",
+                prompt=prompt,
+                response=self.decode(c.token_ids),
+                ground_truth=str(row["ground_truth"]),
+                data_source=str(row["data_source"]),
+            )
+            for j, c in enumerate(completions)
+        ]
 
     def _score_groups(self, groups: list[Group]) -> None:
         """Rewards of every sample: rules here, GenRM verdicts from the Serve deployment (already judging the

@@ -41,6 +41,8 @@ TrainVision = Literal["none", "projector", "all"]  # which parts of a vision-lan
 TrainDtype = Literal[
     "fp32", "bf16"
 ]  # the trainer's weights and compute (bf16: fp32 main weights in the optimizer)
+# the correction between the policy that sampled and the one that trains (yatt_ray/algos/off_policy.py)
+OffPolicy = Literal["none", "tis", "mis", "icepop", "decoupled"]
 
 
 class _Section:
@@ -126,6 +128,10 @@ class RolloutConfig(_Section):
     # a prompt aborted this often is waited for the next time it starts (its step pays its tail), so none stays
     # in the queue for ever; null never waits (the longest prompts may then never train)
     max_aborts: int | None = 3
+    # asynchronous rollout (needs placement.rollout_engines > 0): the engines generate up to this many steps'
+    # prompts ahead while the trainer trains; a sample's weights are at most this many versions older than the
+    # trainer's (0 = synchronous)
+    max_staleness: int = 0
 
 
 @dataclass
@@ -228,6 +234,17 @@ class AlgoConfig(_Section):
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
     tis_cap: float | None = 2.0  # truncated importance sampling for rollout/trainer mismatch; None disables
+    # off-policy correction (yatt_ray/algos/off_policy.py): none = the truncated IS above, as always; tis = the same
+    # weight (needs tis_cap); mis = weight inside [is_band_low, is_band_high], tokens outside masked; icepop = the
+    # band mask alone; decoupled = AReaL's decoupled PPO (clip against old_logp, weight min(rho, tis_cap))
+    off_policy: OffPolicy = "none"
+    # mis / icepop: tokens whose ratio pi_old / pi_rollout leaves [is_band_low, is_band_high] are masked
+    is_band_low: float = 0.5
+    is_band_high: float = 2.0
+    # DAPO's overlong reward shaping: 0 up to rollout.max_new_tokens - overlong_buffer tokens, then linearly down to
+    # -overlong_penalty at rollout.max_new_tokens, added to the reward before the advantages (0 = off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     # DAPO's dynamic sampling: drop prompt groups whose rewards ("reward") or correctness ("accuracy": reward
     # >= 1) are all equal, and draw more prompts until the group's share is informative, at most max_draws
     # draws a step (then the batch is topped up with dropped groups, with a warning and a counter)
@@ -517,7 +534,7 @@ def validate(config: Config) -> None:
     errors += _train_errors(config.train) + _data_errors(config.data) + _rollout_errors(config.rollout)
     errors += _algo_errors(config.algo) + _critic_errors(config.critic) + _reward_errors(config.reward)
     errors += _placement_errors(config.placement) + _checkpoint_errors(config.checkpoint)
-    errors += _cluster_errors(config.cluster) + _cross_section_errors(config)
+    errors += _cluster_errors(config.cluster) + _cross_section_errors(config) + _async_errors(config)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -587,6 +604,25 @@ def _rollout_errors(r: RolloutConfig) -> list[str]:
          "share; 1.25 starts 25% more prompts and aborts the slowest)"),
         (r.max_aborts is None or r.max_aborts >= 1,
          f"rollout.max_aborts={r.max_aborts} must be >= 1 (or null: never wait for an aborted prompt)"),
+        (r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = synchronous)"),
+    ])  # fmt: skip
+
+
+def _async_errors(config: Config) -> list[str]:
+    """Asynchronous rollout needs engines that are not inside the trainers, and (for now) one draw a step."""
+    eta, r, a = config.rollout.max_staleness, config.rollout, config.algo
+    if eta == 0:
+        return []
+    return _failed([
+        (config.placement.rollout_engines > 0,
+         f"rollout.max_staleness={eta} generates while the trainer trains, which needs rollout engines of their "
+         "own: set placement.mode=disaggregated and placement.rollout_engines >= 1 (or max_staleness=0)"),
+        (a.dynamic_sampling == "off",
+         f"rollout.max_staleness={eta} with algo.dynamic_sampling={a.dynamic_sampling!r} is not supported yet "
+         "(the group filter would draw again inside a step); set one of them off / 0"),
+        (r.over_sample == 1.0,
+         f"rollout.max_staleness={eta} with rollout.over_sample={r.over_sample} is not supported: asynchronous "
+         "rollout answers the long tail by generating ahead; set rollout.over_sample=1.0"),
     ])  # fmt: skip
 
 
@@ -615,6 +651,13 @@ def _algo_errors(a: AlgoConfig) -> list[str]:
         (a.ppo_epochs >= 1, f"algo.ppo_epochs={a.ppo_epochs} must be >= 1"),
         (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"algo.gamma={a.gamma} and algo.lam={a.lam} must be in [0, 1]"),
         (a.tis_cap is None or a.tis_cap >= 1, f"algo.tis_cap={a.tis_cap} must be >= 1 (or null to disable)"),
+        (a.off_policy not in ("tis", "decoupled") or a.tis_cap is not None,
+         f"algo.off_policy={a.off_policy} truncates its importance weight at algo.tis_cap, which is null; set "
+         "algo.tis_cap (e.g. 2)"),
+        (a.is_band_low < 1 < a.is_band_high and a.is_band_low >= 0,
+         f"algo.is_band_low={a.is_band_low} and algo.is_band_high={a.is_band_high} must satisfy 0 <= low < 1 < high "
+         "(the band of importance ratios mis / icepop keep; the usual is 0.5 and 2)"),
+        (a.overlong_penalty >= 0, f"algo.overlong_penalty={a.overlong_penalty} must be >= 0 (DAPO uses 1)"),
         (a.max_draws >= 1, f"algo.max_draws={a.max_draws} must be >= 1 (draws of prompts per step with "
          "algo.dynamic_sampling)"),
     ])  # fmt: skip
@@ -741,6 +784,9 @@ def _cross_section_errors(config: Config) -> list[str]:
          f"algo.dynamic_sampling={a.dynamic_sampling!r} filters groups whose samples all score the same, which "
          f"every group of rollout.n={r.n} does; set rollout.n >= 2 or algo.dynamic_sampling=off"),
         (not bad_exports, f"checkpoint.export_hf_steps={bad_exports} must be steps in [1, train.steps={t.steps}]"),
+        (0 <= a.overlong_buffer < r.max_new_tokens,
+         f"algo.overlong_buffer={a.overlong_buffer} must be in [0, rollout.max_new_tokens={r.max_new_tokens}): the "
+         "penalty ramps over the last overlong_buffer tokens before the limit (0 turns it off)"),
     ])  # fmt: skip
     if a.estimator in ADVANTAGE_ESTIMATORS:
         estimator = ADVANTAGE_ESTIMATORS.get(a.estimator)

@@ -63,7 +63,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         mark("data_opened")
         engine = None
         if layout.is_controller:
-            engine = start_engine(config, layout, roles.policy, loop_config.get("engines"))
+            engine = start_engine(
+                config, layout, roles.policy, loop_config.get("engines"), controller.attempt
+            )
         controller.attach_engine(engine)
         mark("engine_started")  # ... while the engine loads
         controller.run()
@@ -153,9 +155,12 @@ class GroupController:
         (the weight sync)."""
         if engine is not None and self.collector is not None:
             self.collector.engine = engine
-        if self.resumed is None:
+        restarted_pool = (
+            self.config.placement.rollout_engines > 0 and self.attempt > 1
+        )  # engines kept weights
+        if self.resumed is None and not restarted_pool:
             return
-        if engine is not None and self.resumed.engine_rng is not None:
+        if engine is not None and self.resumed is not None and self.resumed.engine_rng is not None:
             engine.set_rng_state(self.resumed.engine_rng)  # samples as the uninterrupted run would
         self.sync_weights()  # the rollout engine generates with the restored policy
 
@@ -203,6 +208,12 @@ class GroupController:
             with timer.phase("offload"):
                 self._move_trainers("offload")
         scored = self._collect(step) if self.collector is not None else None
+        if (
+            self.collector is not None and cfg.rollout.max_staleness > 0
+        ):  # the engines generate while we train
+            with timer.phase("rollout"):
+                for ahead in range(step + 1, min(step + cfg.rollout.max_staleness, cfg.train.steps) + 1):
+                    self.collector.start(ahead)
         if not self.layout.is_controller:  # the group's controller generates; this rank waits for its batch
             with timer.phase("rollout", busy=False), timer.phase("reward", busy=False):
                 pass
@@ -213,7 +224,9 @@ class GroupController:
         with timer.phase("logprobs"):
             self._old_log_probs_and_values(batch, step)
         whiten = partial(masked_whiten, all_reduce=lambda t: dist.all_reduce(t, group=self.dp_group))
-        compute_advantages(batch, cfg.algo, self.kl_ctl.value, whiten=whiten)
+        compute_advantages(
+            batch, cfg.algo, self.kl_ctl.value, whiten=whiten, max_new_tokens=cfg.rollout.max_new_tokens
+        )
         train_batch, restore, balance_stats = self._balance(batch)
         with timer.phase(
             "train", busy=False

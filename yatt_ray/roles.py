@@ -160,13 +160,13 @@ def engine_kwargs(config: Config, seed: int) -> dict[str, Any]:
     }
 
 
-def start_engine(config: Config, layout: Layout, policy: Any = None, pool: Any = None):
+def start_engine(config: Config, layout: Layout, policy: Any = None, pool: Any = None, attempt: int = 1):
     """The controller's rollout engine (a `RolloutEngine`), in the trainer's dtype. Started after the prompt
     streams opened, so Ray Data's first read runs while the engine loads (`yatt_ray.metrics.startup`).
 
     With engine actors (`pool`: the driver's `EngineHandles`), an `EnginePool` over them: data-parallel group
     0's controller pushes the weights, and with tp_size 1 any controller can push them to a restarted engine
-    itself (`policy`'s buckets)."""
+    itself (`policy`'s buckets); `attempt` (the training function's start in this run) versions its pushes."""
     from yatt_ray.rollout import make_engine
 
     seed = config.train.seed + layout.dp_rank
@@ -179,4 +179,4 @@ def start_engine(config: Config, layout: Layout, policy: Any = None, pool: Any =
     weights = None
     if config.train.tp_size == 1 and policy is not None:
         weights = lambda: policy.iter_hf_buckets(bucket_bytes)  # noqa: E731
-    return EnginePool(pool, pusher=layout.dp_rank == 0, weights=weights, seed=seed)
+    return EnginePool(pool, pusher=layout.dp_rank == 0, weights=weights, seed=seed, attempt=attempt)

@@ -18,6 +18,8 @@ from yatt_ray.algos import (
     estimate_advantages,
     kl_estimate,
     masked_whiten,
+    off_policy_weights,
+    overlong_penalty,
     tis_weights,
 )
 from yatt_ray.batch import RolloutBatch
@@ -26,9 +28,19 @@ from yatt_ray.metrics.flops import PerfModel, causal_pairs, registered_perf_mode
 
 
 def compute_advantages(
-    batch: RolloutBatch, algo: AlgoConfig, kl_coef: float, whiten: Callable = masked_whiten
+    batch: RolloutBatch,
+    algo: AlgoConfig,
+    kl_coef: float,
+    whiten: Callable = masked_whiten,
+    max_new_tokens: int | None = None,
 ) -> None:
     """Fill `batch.advantages` [N, R] (and, for GAE, the critic's `batch.returns` [N, R]).
+
+    With `algo.overlong_buffer` > 0 (DAPO's overlong shaping; `max_new_tokens` = rollout.max_new_tokens is then
+    required) each reward first gets `overlong_penalty(|y|, max_new_tokens, buffer, algo.overlong_penalty)`
+    added, |y| = the response's tokens (`response_mask` row sum); the penalties [N] are kept in
+    `batch.overlong_penalty` for the metrics and `batch.rewards` stays the task reward (reward_mean, accuracy
+    and dynamic sampling see it unshaped). ReMax's greedy baseline is not shaped (its length is not kept).
 
     Outcome estimators (grpo, rloo, reinforce_pp, remax) turn rewards [N] into one advantage per sample,
     broadcast over its response tokens. GAE places the outcome reward on the last response token and runs
@@ -40,12 +52,23 @@ def compute_advantages(
     """
     assert batch.rewards is not None, "the reward phase runs before the advantages"
     estimator = ADVANTAGE_ESTIMATORS.get(algo.estimator)
+    rewards = batch.rewards
+    if algo.overlong_buffer > 0:
+        if max_new_tokens is None:
+            raise ValueError(
+                f"algo.overlong_buffer={algo.overlong_buffer} needs the generation limit: pass "
+                "max_new_tokens=config.rollout.max_new_tokens to compute_advantages"
+            )
+        lengths = batch.response_mask.sum(dim=-1).round().to(torch.int64)
+        penalty = overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        batch.overlong_penalty = penalty.to(rewards.device)
+        rewards = rewards + batch.overlong_penalty.to(rewards.dtype)
     kl = None
     if algo.kl_in_reward and kl_coef > 0:
         assert batch.old_logp is not None and batch.ref_logp is not None
         kl = kl_estimate(batch.old_logp, batch.ref_logp, algo.kl_estimator)
     advantages, returns = estimate_advantages(
-        estimator, batch.rewards, batch.response_mask, group_size=batch.group_size, values=batch.values,
+        estimator, rewards, batch.response_mask, group_size=batch.group_size, values=batch.values,
         greedy_rewards=batch.greedy_rewards, kl=kl, kl_coef=kl_coef, gamma=algo.gamma, lam=algo.lam,
     )  # fmt: skip
     batch.advantages = whiten(advantages, batch.response_mask) if estimator.token_level else advantages
@@ -70,9 +93,13 @@ def policy_loss_fn(
 ):
     """The per-micro-batch policy loss for MegatronPolicy.train_step.
 
-    loss = agg( w_tis * pg(logp, old_logp, A) - entropy_coef * H + kl_coef * KL_k(logp || ref) ), where the
-    KL term is present only when KL is not already a reward penalty, and w_tis (truncated importance
-    weights for the rollout/trainer mismatch) only when `algo.tis_cap` is set. Aggregated with
+    loss = agg( w * pg(logp, old_logp, A) - entropy_coef * H + kl_coef * KL_k(logp || ref) ), where the
+    KL term is present only when KL is not already a reward penalty. w is the off-policy correction
+    (`algo.off_policy`, `yatt_ray.algos.off_policy`): with "none", w_tis (truncated importance weights for the
+    rollout/trainer mismatch, `mb["tis_weights"]` or, on-policy, taken here) only when `algo.tis_cap` is set,
+    exactly as before the other modes existed; any other mode takes `off_policy_weights` of old_logp and
+    `mb["rollout_logp"]` here (the controller's `tis_weights` unused) and logs `off_policy/*` token-mean shares
+    (ratio_mean, weight_mean, clipped_frac, masked_frac; a masked token stays in the normaliser). Aggregated with
     `algo.loss_agg` over the *global* token / sequence counts, so micro-batch and data-parallel shares sum to
     the full-batch loss. Logged values are token-mean shares too (they sum to batch means). `norm_len` is the
     constant length of "seq-mean-token-sum-norm" (the configured maximum response length).
@@ -93,13 +120,33 @@ def policy_loss_fn(
         if record_old_logp is not None:
             old = lp.detach()
             record_old_logp[mb["row"].cpu()] = old.cpu()
-            if algo.tis_cap is not None:
+            if algo.tis_cap is not None and algo.off_policy == "none":
                 weights = tis_weights(old, mb["rollout_logp"], algo.tis_cap)
         pg, stats = policy_loss(
             lp, old, mb["advantages"], algo.clip_low, algo.clip_high, response_mask=mask, **options
         )
-        if algo.tis_cap is not None:
+        corrected: dict[str, float] = {}
+        if algo.off_policy == "none":
+            if algo.tis_cap is not None:
+                pg = pg * weights
+        else:
+            assert old is not None, "old_logp comes from the controller, or on-policy from this forward"
+            weights, _, w_stats = off_policy_weights(
+                algo.off_policy,
+                old,
+                mb["rollout_logp"],
+                mask,
+                algo.tis_cap,
+                algo.is_band_low,
+                algo.is_band_high,
+            )
             pg = pg * weights
+            # this micro-batch's share of the global token mean (shares sum to the step's mean)
+            scale = float(w_stats["tokens"]) / max(global_tokens, 1.0)
+            corrected = {
+                f"off_policy/{k}": float(w_stats[k]) * scale
+                for k in ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac")
+            }
         per_token = pg - algo.entropy_coef * ent
         share = {"pg_loss": pg.detach(), "entropy": ent.detach(), "clipfrac": stats["clipped"]}
         if kl_in_loss:
@@ -108,7 +155,7 @@ def policy_loss_fn(
             per_token, mask, algo.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
             norm_len=float(norm_len) if algo.loss_agg == "seq-mean-token-sum-norm" else None,
         )  # fmt: skip
-        return loss, _token_mean_shares(share, mask, global_tokens)
+        return loss, {**_token_mean_shares(share, mask, global_tokens), **corrected}
 
     return loss_fn
 
@@ -138,7 +185,7 @@ def _token_mean_shares(per_token: dict[str, torch.Tensor], mask: torch.Tensor, g
 
 _SUMS = (
     "reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff", "prompts_clipped",
-    "kl", "greedy_reward", "causal_pairs",
+    "kl", "greedy_reward", "causal_pairs", "overlong_penalty",
 )  # fmt: skip
 
 
@@ -152,6 +199,7 @@ def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
     if batch.ref_logp is not None:
         kl = (kl_estimate(batch.old_logp, batch.ref_logp, algo.kl_estimator) * mask).sum()
     greedy = batch.greedy_rewards.sum() if batch.greedy_rewards is not None else 0.0
+    overlong = batch.overlong_penalty.sum() if batch.overlong_penalty is not None else 0.0
     values: list[float | int | torch.Tensor] = [
         batch.rewards.sum(),
         (batch.rewards >= 1.0).sum(),
@@ -164,6 +212,7 @@ def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
         kl,
         greedy,
         causal_pairs(batch.attention_mask.sum(dim=1)),
+        overlong,
     ]
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
@@ -213,6 +262,8 @@ def reduce_metrics(
         metrics.update(kl=s["kl"] / tokens, kl_per_sequence=s["kl"] / samples)
     if batch.greedy_rewards is not None:
         metrics["greedy_reward_mean"] = s["greedy_reward"] / (samples / batch.group_size)
+    if algo.overlong_buffer > 0:
+        metrics["reward/overlong_penalty_mean"] = s["overlong_penalty"] / samples
     metrics.update({f"time/{k}": v for k, v in maxima.items()})
     metrics.update(train_stats)
     metrics.update(_reduce_counters(batch.counters, is_controller))
@@ -276,11 +327,19 @@ def perf_metrics(
 
 
 def _reduce_counters(counters: dict[str, float], is_controller: bool) -> dict[str, float]:
-    """Controllers' counters: GenRM counts summed over groups, memory figures averaged per controller.
-    Every controller holds the same keys (they follow from the config)."""
+    """Controllers' counters: counts summed over groups, memory figures and `async/staleness_mean` averaged
+    per controller, `*_max` figures the largest. Every controller holds the same keys (they follow from the
+    config)."""
     keys = sorted(counters)
     values = [counters[k] if is_controller else 0.0 for k in keys] + [float(is_controller)]
     total = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(total)
+    largest = torch.tensor(values, dtype=torch.float64)
+    if any(k.endswith("_max") for k in keys):
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     controllers = max(total[-1].item(), 1.0)
-    return {k: v / controllers if k.startswith("memory/") else v for k, v in zip(keys, total[:-1].tolist())}
+    averaged = ("memory/", "async/staleness_mean")
+    return {
+        k: largest[i].item() if k.endswith("_max") else v / controllers if k.startswith(averaged) else v
+        for i, (k, v) in enumerate(zip(keys, total[:-1].tolist()))
+    }

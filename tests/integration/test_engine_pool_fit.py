@@ -1,6 +1,9 @@
 """Disaggregated rollout engines end to end: engine actors on accelerators of their own (the shared cluster's
-logical GPUs), reached by both controllers through the router, weights pushed every step; an engine actor and
-a training worker killed in one run, the run resumed and resumed again: every prompt trained once."""
+logical GPUs), reached by both controllers through the router, weights pushed every step. Asynchronous rollout
+(rollout.max_staleness=2: the engines generate two steps ahead while the trainers train) with an engine actor
+and a training worker killed in one run, then the run resumed: every prompt trained once, none lost with the
+steps in flight at each stop. (The synchronous engine actor, its weights every step and a killed worker:
+tests/integration/test_genrm_fit.py's disaggregated run.)"""
 
 from __future__ import annotations
 
@@ -50,23 +53,20 @@ def test_engine_actors_survive_kills_and_resumes_with_each_prompt_once(ray_clust
         lambda: any(s >= 4 for s in committed_steps(ckpt)),
         lambda: killed.append(("worker", kill_training_worker())),
     )
-    first = pooled_run(ckpt, tmp_path / "a", 6)
+    first = pooled_run(ckpt, tmp_path / "a", 6, "rollout.max_staleness=2")
     assert [k for k, _ in killed] == ["engine", "worker"], killed
     assert first.metric("checkpoint/resumed_from"), "the killed worker did not restart the run"
     assert train_steps(first) == list(range(1, 7))
-    # the engines generate with the trained weights every step, also the restarted one: the trainer's log-probs
-    # of the sampled tokens equal the engines'
-    assert max(first.metric("rollout_logp_diff")) < 1e-3
+    # samples come from weights at most 2 versions older than the trainer's, and some were generated ahead
+    staleness = first.metric("async/staleness_max")
+    assert max(staleness) <= 2 and max(staleness) >= 1, staleness
+    assert sum(first.metric("async/aged_out")) == 0
     assert all(t > 0 for t in first.metric("time/weight_sync"))
-    # each controller's 4 prompts went to both engines, every step (2 controllers x 2 sub-requests at least)
-    assert all(n >= 4 for n in first.metric("rollout/engine_requests")), first.metric(
-        "rollout/engine_requests"
-    )
+    # every step's prompts went out once, each controller's 4 over both engines (sent ahead, in earlier steps)
+    assert sum(first.metric("rollout/engine_requests")) >= 4 * 6
 
-    again = pooled_run(ckpt, tmp_path / "b", 8)  # resumed ...
-    assert train_steps(again)[-1] == 8
-    last = pooled_run(ckpt, tmp_path / "c", 10)  # ... and resumed again
-    assert train_steps(last)[-1] == 10
+    again = pooled_run(ckpt, tmp_path / "b", 8, "rollout.max_staleness=2")  # resumed (asynchronous)
+    assert train_steps(again) == list(range(1, 9))
     audit = prompt_audit(ckpt)
-    assert audit.steps == 10 and audit.prompts == 10 * PROMPTS, audit
+    assert audit.steps == 8 and audit.prompts == 8 * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit

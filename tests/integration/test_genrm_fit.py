@@ -46,7 +46,18 @@ SHORT = ("train.steps=4", "data.eval_files=[]")  # where the roles run, not lear
 def partial(ray_cluster, demo_cache, tmp_path_factory):
     # two replicas from the start (one per training accelerator, the most partial allows): on 2 CPU cores a
     # replica that autoscaling starts mid-run costs ~40 s of the test, and Serve's autoscaling is Serve's
-    return genrm_run(tmp_path_factory.mktemp("partial"), "partial", "reward.genrm.replicas=2")
+    # a training worker is killed after the first checkpoint (step 10): the drill for this placement's data
+    # position; the run restarts from it and still learns
+    out = tmp_path_factory.mktemp("partial")
+    ckpt = str(out / "ckpt")
+    killed: list[int] = []
+    when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
+    result = genrm_run(
+        out, "partial", "reward.genrm.replicas=2", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=10",
+        "checkpoint.log_prompt_ids=true",
+    )  # fmt: skip
+    assert killed and result.metric("checkpoint/resumed_from"), "the drill did not restart the run"
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +68,16 @@ def full(ray_cluster, demo_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def disaggregated(ray_cluster, demo_cache, tmp_path_factory):
-    """The judge on a slice of its own, and a training worker killed after the first checkpoint (the run
-    restarts from it): the drill for this placement's data position."""
+    """The judge on a slice of its own, the rollout engine on an accelerator of its own (an engine actor both
+    controllers reach), and a training worker killed after the first checkpoint (the run restarts from it):
+    the drill for this placement's data position."""
     out = tmp_path_factory.mktemp("disaggregated")
     ckpt = str(out / "ckpt")
     killed: list[int] = []
     when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
     result = genrm_run(
         out, "disaggregated", *SHORT, "train.steps=6", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=2",
-        "checkpoint.log_prompt_ids=true",
+        "checkpoint.log_prompt_ids=true", "placement.rollout_engines=1",
     )  # fmt: skip
     assert killed and result.metric("checkpoint/resumed_from"), "the drill did not restart the run"
     return result
@@ -97,6 +109,8 @@ def test_partial_coexistence_learns_from_the_judge(partial):
         f"greedy eval accuracy (exact match) {evals[0]:.3f} -> {evals[-1]:.3f}"
     )
     assert_judged_cleanly(partial, STEPS)
+    audit = prompt_audit(partial.checkpoint_dir)  # through the killed worker: each prompt once
+    assert audit.steps == STEPS and audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
 
 
 def split_by_role(placed: dict[str, set[str]]) -> tuple[set[str], set[str]]:
@@ -117,10 +131,16 @@ def test_disaggregated_places_the_judge_on_its_own_accelerator(disaggregated):
     assert_judged_cleanly(disaggregated, 6)
     audit = prompt_audit(disaggregated.checkpoint_dir)  # through the killed worker: each prompt once
     assert audit.steps == 6 and audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
+    # the engine actor generates with the trained weights every step, after the restart too (its weights are
+    # pushed again): the trainer's log-probs of the sampled tokens equal the engine's
+    assert max(disaggregated.metric("rollout_logp_diff")) < 1e-3
+    assert all(
+        n >= 2 for n in disaggregated.metric("rollout/engine_requests")
+    )  # both controllers, every step
     placed = roles_by_accelerator(disaggregated)
     trainers, judges = split_by_role(placed)
     assert len(trainers) == 2 and len(judges) == 1, placed
-    assert not trainers & judges, placed
+    assert not trainers & judges, placed  # (the engine actor records no spans: its accelerator is the 4th)
 
 
 def test_full_places_one_judge_beside_each_trainer(full):

@@ -1,4 +1,5 @@
-"""Checks of release/placement_sim.py: analytic cases, brute-force loops, accounting, and the expected winners."""
+"""Checks of release/placement_sim.py: analytic cases, brute-force loops, accounting, and the expected winners
+of its three modes (full, partial: the seed's, disaggregated: what it called partial before)."""
 
 from __future__ import annotations
 
@@ -51,30 +52,41 @@ def test_zero_genrm_cost_and_zero_spread_match_the_analytic_rollout():
     lengths = uniform(costs)
     n, k = 8, 4
     full = ps.simulate_full(ps.simulate_generation(lengths, n, costs), 0.0, costs)
-    partial = ps.simulate_partial(ps.simulate_generation(lengths, n - k, costs), k, 0.0, costs)
+    dis = ps.simulate_disaggregated(ps.simulate_generation(lengths, n - k, costs), k, 0.0, costs)
+    part = ps.simulate_partial(ps.simulate_generation(lengths, n, costs), 0.0, 0.0, costs)
     assert full.rollout_s == pytest.approx(gen_time_analytic(costs, n, costs.response_mean) + 5.0)
-    assert partial.rollout_s == pytest.approx(gen_time_analytic(costs, n - k, costs.response_mean))
+    assert dis.rollout_s == pytest.approx(gen_time_analytic(costs, n - k, costs.response_mean))
+    assert part.rollout_s == pytest.approx(
+        gen_time_analytic(costs, n, costs.response_mean)
+    )  # no switch in it
     tokens = lengths.size * (costs.prompt_len + costs.response_mean)
     per_token = costs.logprob_s_per_token + costs.train_s_per_token
     tail = costs.trainer_switch_s + costs.weight_sync_s
     assert full.step_s == pytest.approx(full.rollout_s + 5.0 + tail + tokens * per_token / n)
-    assert partial.step_s == pytest.approx(partial.rollout_s + tail + tokens * per_token / (n - k))
+    assert dis.step_s == pytest.approx(dis.rollout_s + tail + tokens * per_token / (n - k))
+    assert part.step_s == pytest.approx(part.rollout_s + 5.0 + tail + tokens * per_token / n)  # the release
     # no spread, even shares: nobody waits on anybody
     assert np.allclose(full.idle, 0.0)
-    assert np.allclose(partial.idle[: n - k], 0.0)
+    assert np.allclose(dis.idle[: n - k], 0.0)
 
 
 def test_zero_spread_judging_matches_the_analytic_queue():
-    """All samples finish together at T_gen: full judges M c / N after a switch; partial's k replicas M c / k."""
+    """All samples finish together at T_gen: full judges M c / N after a switch; disaggregated's k replicas
+    M c / k; partial's engines run at 1 - s, so everything arrives at T_gen / (1 - s), when every device is free
+    to judge: M c / N more, with no switch in series (the wake overlapped generation)."""
     costs = dataclasses.replace(SMALL, genrm_latency_s=0.0)
     lengths = uniform(costs)
     c, n, k = 0.3, 8, 4
     m = lengths.size
     full = ps.simulate_full(ps.simulate_generation(lengths, n, costs), c, costs)
-    partial = ps.simulate_partial(ps.simulate_generation(lengths, n - k, costs), k, c, costs)
+    dis = ps.simulate_disaggregated(ps.simulate_generation(lengths, n - k, costs), k, c, costs)
     g_n, g_p = (gen_time_analytic(costs, d, costs.response_mean) for d in (n, n - k))
     assert full.rollout_s == pytest.approx(g_n + costs.genrm_switch_s + m * c / n)
-    assert partial.rollout_s == pytest.approx(g_p + m * c / k)
+    assert dis.rollout_s == pytest.approx(g_p + m * c / k)
+    for share in (0.0, 0.25):
+        part = ps.simulate_partial(ps.simulate_generation(lengths, n, costs), share, c, costs)
+        assert part.rollout_s == pytest.approx(g_n / (1 - share) + m * c / n)
+        assert part.step_s == pytest.approx(part.rollout_s + full.step_s - full.rollout_s)
 
 
 def brute_force_finish(lens: list[list[float]], costs) -> list[float]:
@@ -116,49 +128,168 @@ def test_judge_queue_matches_a_single_server_loop():
     assert ps.judge_queue_end(arrivals, c, 1, latency=100.0) == pytest.approx(arrivals[-1] + 100.0)
 
 
+@pytest.mark.parametrize("share, wake", [(0.3, 1.5), (0.0, 6.0), (0.6, 12.0)])
+def test_capacity_of_shared_devices_matches_a_time_stepped_loop(share, wake):
+    """Partial's judges: 0 before the wake, s of a device while its engine runs, all of it after; a fluid queue
+    drained at that rate, stepped in small time steps, empties when queue_end says."""
+    rng = np.random.default_rng(11)
+    ends = rng.uniform(2.0, 10.0, size=5)
+    arrivals = np.sort(rng.uniform(0.5, 10.0, size=30))
+    c, dt = 0.4, 2e-4
+    capacity = ps.shared_capacity(ends, share, wake)
+    t, queue, arrived, offered = 0.0, 0.0, 0, 0.0
+    while arrived < arrivals.size or queue > 0:
+        while arrived < arrivals.size and arrivals[arrived] <= t:
+            queue, arrived = queue + c, arrived + 1
+        rate = 0.0 if t < wake else sum(share if t < e else 1.0 for e in ends)
+        queue, t, offered = max(queue - rate * dt, 0.0), t + dt, offered + rate * dt
+        if abs(t - 7.0) < dt / 2:
+            assert capacity.at(7.0) == pytest.approx(offered, abs=5 * dt * ends.size)
+    assert ps.queue_end(arrivals, c, capacity, latency=0.0) == pytest.approx(t, abs=5 * dt)
+    assert ps.queue_end(arrivals, c, capacity, latency=100.0) == pytest.approx(arrivals[-1] + 100.0)
+    for y in (
+        0.1,
+        3.0,
+        max(capacity.cum[-1], 0.2),
+        capacity.cum[-1] + 7.0,
+    ):  # A^-1 inverts A, past the end too
+        assert capacity.at(capacity.inverse(y)) == pytest.approx(y)
+
+
+def test_partial_with_no_judging_work_is_full_generation():
+    costs = dataclasses.replace(SMALL, genrm_latency_s=0.0)
+    z = np.random.default_rng(2).standard_normal(costs.samples(8, "strong"))
+    gen = ps.simulate_generation(ps.response_lengths(z, costs, 1.0), 8, costs)
+    best = ps.search_share(lambda s: ps.simulate_partial(gen, s, 0.0, costs), (0.0, 0.9))
+    full = ps.simulate_full(gen, 0.0, costs)
+    assert best.share == 0.0
+    assert best.rollout_s == pytest.approx(gen.time)
+    assert best.rollout_s == pytest.approx(full.rollout_s - costs.genrm_switch_s)
+    # a share forced on the engines only slows them
+    assert ps.simulate_partial(gen, 0.2, 0.0, costs).rollout_s == pytest.approx(gen.time / 0.8)
+
+
+@pytest.mark.parametrize("switch_s", [0.0, 5.0])
+@pytest.mark.parametrize("latency_s", [0.0, 3.0])
+def test_partial_rollout_never_exceeds_full(switch_s, latency_s):
+    """With the share 0 in bounds, partial's rollout phase is never longer than full's: the judges get every
+    device full coexistence gives them, only sooner (devices whose engines are done), and the wake runs
+    beside generation. Its step is never longer either: both pay one switch after the rollout phase."""
+    costs = dataclasses.replace(SMALL, genrm_switch_s=switch_s, genrm_latency_s=latency_s)
+    z = np.random.default_rng(4).standard_normal(costs.samples(8, "strong"))
+    for sigma in (0.0, 0.6, 1.2):
+        for n in (2, 8):
+            gen = ps.simulate_generation(ps.response_lengths(z, costs, sigma), n, costs)
+            for ratio in (0.05, 0.5, 2.0):
+                c = ratio * costs.gen_cost_per_sample()
+                full = ps.simulate_full(gen, c, costs)
+                best = ps.search_share(lambda s, g=gen, c=c: ps.simulate_partial(g, s, c, costs), (0.0, 0.9))
+                assert best.rollout_s <= full.rollout_s + 1e-9, (sigma, n, ratio)
+                assert best.step_s <= full.step_s + 1e-9, (sigma, n, ratio)
+
+
+def test_search_share_finds_the_shortest_rollout():
+    def evaluate(share):
+        rollout = 10.0 + (share - 0.3137) ** 2
+        return ps.ModeResult("partial", 0, rollout + 1.0, rollout, np.zeros(1), np.zeros(1), share)
+
+    assert ps.search_share(evaluate, (0.0, 0.9)).share == pytest.approx(0.3137, abs=1e-3)
+    assert ps.search_share(evaluate, (0.5, 0.9)).share == 0.5  # the bound holds
+    assert ps.search_share(evaluate, (0.2, 0.2)).share == 0.2
+
+
+def test_load_balance_share():
+    assert ps.balanced_share(30.0, 10.0, (0.0, 0.9)) == pytest.approx(0.25)
+    assert ps.balanced_share(30.0, 10.0, (0.3, 0.9)) == 0.3
+    assert ps.balanced_share(1.0, 99.0, (0.0, 0.9)) == 0.9
+    assert ps.balanced_share(0.0, 0.0, (0.1, 0.9)) == 0.1
+    z = np.random.default_rng(6).standard_normal(SMALL.samples(8, "strong"))
+    gens = [ps.simulate_generation(ps.response_lengths(z, SMALL, 0.6), 8, SMALL)]
+    c = 0.5 * SMALL.gen_cost_per_sample()
+    best, rule = ps.partial_results(gens, c, SMALL, (0.0, 0.9))
+    g = gens[0]
+    assert rule.share == pytest.approx(g.finish.size * c / (g.device_end.sum() + g.finish.size * c))
+    assert best.rollout_s <= rule.rollout_s
+
+
+def test_disaggregated_matches_the_old_partial_numbers():
+    """Before the seed's partial came in, this simulator called disaggregated placement "partial"; these are
+    that version's figures for the same grid, to the rounding."""
+    old = {  # (N, ratio): (best k, step, rollout, idle fraction, k of the shortest rollout, step at k = 3)
+        (8, 0.25): (1, 56.5118, 45.88133333333334, 0.3592943438014577, 1, 60.53548470588236),
+        (8, 1.0): (1, 57.24338431372549, 46.61291764705882, 0.31381712711659865, 2, 60.53548470588236),
+        (16, 0.25): (1, 66.3566462745098, 55.982086274509804, 0.4199211175253051, 1, 67.97818883861238),
+        (16, 1.0): (2, 67.49882464985994, 56.81179607843138, 0.41105230117421204, 2, 67.97818883861238),
+    }
+    cells = ps.run_grid(SMALL, [8, 16], [0.25, 1.0], [0.6], seed=0, k_spec="3")
+    assert len(cells) == len(old)
+    for c in cells:
+        k, step, rollout, idle, k_rollout, fixed_step = old[(c.devices, c.ratio)]
+        d = c.disaggregated
+        assert (d.k, c.best_rollout.k, c.fixed.k) == (k, k_rollout, 3)
+        assert (d.step_s, d.rollout_s, d.idle_fraction) == pytest.approx((step, rollout, idle), rel=1e-12)
+        assert c.fixed.step_s == pytest.approx(fixed_step, rel=1e-12)
+
+
 @pytest.mark.parametrize("sigma", [0.3, 1.0])
 def test_idle_accounting_adds_up(sigma):
     z = np.random.default_rng(1).standard_normal(SMALL.samples(8, "strong"))
     lengths = ps.response_lengths(z, SMALL, sigma)
     c, n, k = 0.2, 8, 3
-    partial = ps.simulate_partial(ps.simulate_generation(lengths, n - k, SMALL), k, c, SMALL)
-    full = ps.simulate_full(ps.simulate_generation(lengths, n, SMALL), c, SMALL)
-    for r in (partial, full):
+    dis = ps.simulate_disaggregated(ps.simulate_generation(lengths, n - k, SMALL), k, c, SMALL)
+    gen = ps.simulate_generation(lengths, n, SMALL)
+    full = ps.simulate_full(gen, c, SMALL)
+    parts = [ps.simulate_partial(gen, share, c, SMALL) for share in (0.0, 0.1, 0.5)]
+    for r in (dis, full, *parts):
         assert r.busy.size == r.idle.size == n
         assert np.all(r.idle >= -1e-9)
         np.testing.assert_allclose(r.busy + r.idle, r.step_s)  # every device's step is busy or idle
         assert r.idle.sum() == pytest.approx(n * r.step_s - r.busy.sum())
         assert r.idle_fraction == pytest.approx(r.idle.sum() / (n * r.step_s))
     # the k GenRM devices judge M c device-seconds in all, and idle through the whole training phase
-    assert partial.busy[n - k :].sum() == pytest.approx(lengths.size * c)
-    assert np.all(partial.idle[n - k :] >= partial.step_s - partial.rollout_s - 1e-9)
+    assert dis.busy[n - k :].sum() == pytest.approx(lengths.size * c)
+    assert np.all(dis.idle[n - k :] >= dis.step_s - dis.rollout_s - 1e-9)
+    # partial: busy = generation + wake + M c of judging + release + training, device-seconds in all
+    train = parts[0].step_s - parts[0].rollout_s - SMALL.genrm_switch_s
+    for r in parts:
+        ends, w = gen.device_end / (1 - r.share), SMALL.genrm_switch_s
+        waking = (r.share * np.minimum(ends, w) + np.maximum(w - ends, 0)).sum()
+        expected = gen.device_end.sum() + waking + lengths.size * c + n * (w + train)
+        assert r.busy.sum() == pytest.approx(expected)
 
 
 def test_without_genrm_cost_full_wins_or_ties():
     # The default workload (128 samples a device): with few samples a device, dealing them over N - 1 devices
-    # instead of N can group the tail luckily, and partial then wins a step by chance.
+    # instead of N can group the tail luckily, and disaggregated then wins a step by chance.
     costs = dataclasses.replace(ps.Costs(), genrm_latency_s=0.0, genrm_switch_s=0.0)
     cells = ps.run_grid(costs, [8, 16], [0.0], [0.0, 0.6, 1.0], scaling="weak", seed=0)
     for cell in cells:
-        assert cell.winner in ("full", "tie"), (cell.devices, cell.sigma, cell.step_cut)
+        assert cell.cut(cell.disaggregated, "step") <= 0.5, (cell.devices, cell.sigma)
+        assert cell.winner.startswith("full=part"), cell.winner
+        # nothing to judge: partial keeps every device generating (s = 0) and is full, to the rounding
+        assert cell.partial.share == 0.0 and cell.partial_rule.share == 0.0
+        assert cell.partial.rollout_s == pytest.approx(cell.full.rollout_s)
+        assert cell.partial.step_s == pytest.approx(cell.full.step_s)
         if cell.sigma == 0.0:  # no luck to be had: the k idle GenRM devices are pure loss
-            assert cell.full.step_s < cell.partial.step_s
+            assert cell.full.step_s < cell.disaggregated.step_s
 
 
-def test_heavy_genrm_with_a_long_tail_partial_wins():
+def test_heavy_genrm_with_a_long_tail_both_beat_full():
     cells = ps.run_grid(ps.Costs(), [16, 64], [1.0], [1.0], scaling="weak", seed=0)
     for cell in cells:
-        assert cell.winner == "partial", (cell.devices, cell.step_cut)
-        assert cell.rollout_cut > 5.0
-        assert 0 < cell.partial.k < cell.devices
+        assert cell.winner == "part", (cell.devices, cell.winner)
+        assert cell.disaggregated_rollout_cut > 5.0
+        assert cell.partial_rollout_cut > 5.0
+        # partial trains on every device, disaggregated on N - k
+        assert cell.cut(cell.partial, "step") > cell.cut(cell.disaggregated, "step") + 1.0
+        assert 0 < cell.disaggregated.k < cell.devices
 
 
 def test_step_time_falls_as_the_cluster_grows_for_fixed_work():
     cells = ps.run_grid(SMALL, [8, 16, 32, 64], [0.5], [0.6], scaling="strong", seed=0)
-    full = [c.full.step_s for c in cells]
-    partial = [c.partial.step_s for c in cells]
-    assert all(a > b for a, b in zip(full, full[1:])), full
-    assert all(a > b for a, b in zip(partial, partial[1:])), partial
+    for mode in ("full", "partial", "disaggregated"):
+        steps = [getattr(c, mode).step_s for c in cells]
+        assert all(a > b for a, b in zip(steps, steps[1:])), (mode, steps)
 
 
 def test_deterministic_with_a_seed():
@@ -178,7 +309,7 @@ def test_fixed_k_and_search_agree():
     assert ps.resolve_k(None, 8) is None
     (cell,) = ps.run_grid(SMALL, [8], [0.5], [0.6], k_spec=str(0))  # clamped to k = 1
     assert cell.fixed.k == 1
-    assert cell.partial.step_s <= cell.fixed.step_s  # the search covers every k at N = 8
+    assert cell.disaggregated.step_s <= cell.fixed.step_s  # the search covers every k at N = 8
 
 
 def test_costs_from_metrics(tmp_path):
@@ -204,11 +335,29 @@ def test_costs_from_metrics(tmp_path):
     costs.decode_constants()  # still consistent
 
 
-def test_main_prints_a_table_and_a_verdict(capsys, tmp_path):
+def test_main_prints_a_table_a_verdict_and_a_summary_line(capsys, tmp_path):
     out_csv = tmp_path / "grid.csv"
-    cells = ps.main(
-        ["--devices", "8", "--ratios", "0.5", "--sigmas", "0.6", "--k", "2", "--csv", str(out_csv)]
-    )
+    argv = ["--devices", "8", "--ratios", "0.1", "1", "--sigmas", "0.6", "--k", "2", "--csv", str(out_csv)]
+    cells = ps.main(argv)
     text = capsys.readouterr().out
-    assert "winner" in text and "Verdict" in text and "16-24%" in text
-    assert len(cells) == 1 and out_csv.read_text().count("\n") == 2
+    assert "winner" in text and "Verdict" in text and "16.2-24.1%" in text
+    assert len(cells) == 2 and out_csv.read_text().count("\n") == 3
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("placement_sim: ")
+    values = dict(item.split("=") for item in last.split()[1:])
+    part = [c.partial_rollout_cut for c in cells]
+    assert float(values["partial_rollout_cut_min_pct"]) == pytest.approx(min(part), abs=0.05)
+    assert float(values["partial_rollout_cut_max_pct"]) == pytest.approx(max(part), abs=0.05)
+    assert values["partial_points_cut_ge_16pct"] == f"{sum(x >= 16 for x in part)}/2"
+    assert values["partial_rule_points_cut_ge_16pct"].endswith("/2")
+    dis_step = max(c.cut(c.disaggregated, "step") for c in cells)
+    assert float(values["disaggregated_step_gain_max_pct"]) == pytest.approx(dis_step, abs=0.05)
+    assert {"partial_step_gain_max_pct", "disaggregated_rollout_cut_max_pct"} <= values.keys()
+
+
+@pytest.mark.parametrize("bounds", [("0.5", "0.2"), ("0", "1"), ("-0.1", "0.5")])
+def test_share_bounds_are_checked(bounds):
+    with pytest.raises(SystemExit):
+        ps.parse_args(["--share-min", bounds[0], "--share-max", bounds[1]])
+    with pytest.raises(ValueError, match="share"):
+        ps.run_grid(SMALL, [8], [0.5], [0.6], share_bounds=tuple(map(float, bounds)))

@@ -5,6 +5,8 @@ controller."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import ray
 import torch
@@ -27,11 +29,16 @@ def _push(pool: EnginePool, model) -> None:
     for bucket in _buckets(model):
         pool.load_weights(bucket)
     pool.finish_weight_sync()
+    pool.wait_applied()  # the engines apply a push on their own time; the checks below read their versions
+
+
+ATTEMPTS = itertools.count(1)
 
 
 def _pool(handles, model, seed: int = 0, weights=None) -> EnginePool:
-    """A controller's pool, synced once (with `model`'s weights) as a controller syncs at start."""
-    pool = EnginePool(handles, True, weights, seed=seed)
+    """A controller's pool, synced once (with `model`'s weights) as a restarted controller syncs at start:
+    each pool of these tests is a new attempt, whose weights win over every earlier push."""
+    pool = EnginePool(handles, True, weights, seed=seed, attempt=next(ATTEMPTS))
     _push(pool, model)
     return pool
 
@@ -61,7 +68,7 @@ def test_weights_reach_every_engine_and_prompts_spread(engines, hf_models, trans
     assert [o[0].token_ids for o in out] == want
     assert ray.get(engines.router.loads.remote()) == [0, 0]  # every sub-request released its load
     versions = ray.get([e.info.remote() for e in engines.engines])
-    assert [v["version"] for v in versions] == [pool.version, pool.version]
+    assert [v["version"] for v in versions] == [pool.tag, pool.tag]
     _push(pool, hf_models[0])  # back to the old weights for the next test
     out = complete(pool.generate(GenerateRequest(PROMPTS, GREEDY)))
     assert [o[0].token_ids for o in out] == [reference_greedy(hf_models[0], p, 6) for p in PROMPTS]
@@ -79,7 +86,7 @@ def test_a_killed_engine_is_replaced_and_no_prompt_is_lost(engines, hf_models):
     assert sorted(finished) == list(range(len(prompts)))  # each prompt reported once
     want = [reference_greedy(hf_models[1], p, 6) for p in prompts]
     assert [o[0].token_ids for o in complete(out)] == want  # the restarted engine has the new weights too
-    assert [i["version"] for i in ray.get([e.info.remote() for e in engines.engines])] == [pool.version] * 2
+    assert [i["version"] for i in ray.get([e.info.remote() for e in engines.engines])] == [pool.tag] * 2
     _push(pool, hf_models[0])
 
 
@@ -90,7 +97,7 @@ def test_without_weights_a_stale_engine_is_avoided(engines, hf_models):
     out = complete(pool.generate(GenerateRequest(PROMPTS * 2, GREEDY)))
     assert [o[0].token_ids for o in out] == [reference_greedy(hf_models[1], p, 6) for p in PROMPTS * 2]
     _push(pool, hf_models[0])  # the restarted engine is fresh again after the next push
-    assert [i["version"] for i in ray.get([e.info.remote() for e in engines.engines])] == [pool.version] * 2
+    assert [i["version"] for i in ray.get([e.info.remote() for e in engines.engines])] == [pool.tag] * 2
 
 
 def test_finish_after_over_several_engines(engines, hf_models):

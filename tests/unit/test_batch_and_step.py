@@ -1,5 +1,6 @@
 """Packing rollouts into tensors, GRPO advantages per token, and the loss closure's sharing convention."""
 
+import pytest
 import torch
 
 from yatt_ray.batch import RolloutBatch, pack
@@ -136,3 +137,109 @@ def test_on_policy_loss_records_old_logp_and_matches_the_loss_with_given_old_log
     torch.testing.assert_close(a.grad, b.grad)
     torch.testing.assert_close(buffer[[5, 1, 2, 7]], old)
     assert buffer[[0, 3, 4, 6]].abs().sum() == 0
+
+
+def _one_row_loss(mode: str, band=(0.5, 2.0)):
+    """policy_loss_fn on one row of 3 tokens with old_logp = logp (PPO ratio 1: pg = -A, d pg / d logp = -A),
+    rho = pi_old / pi_rollout = [1, 4, 0.8], A = [1, 2, -1], token-mean over 3 tokens, no entropy or KL."""
+    from yatt_ray.config import AlgoConfig
+
+    algo = AlgoConfig(
+        off_policy=mode, tis_cap=2.0, is_band_low=band[0], is_band_high=band[1], entropy_coef=0.0
+    )
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)  # prompt width 1: all response columns
+    mb = {
+        "response_mask": torch.ones(1, 3),
+        "advantages": torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64),
+        "old_logp": logp.clone(),
+        "rollout_logp": logp - torch.tensor([[1.0, 4.0, 0.8]], dtype=torch.float64).log(),
+    }
+    a = logp.clone().requires_grad_(True)
+    loss, metrics = policy_loss_fn(algo, 1, 3.0, 1.0, kl_coef=0.0, norm_len=3)(a, torch.zeros_like(a), mb)
+    loss.backward()
+    return loss.detach(), a.grad, metrics
+
+
+def test_mis_masks_a_token_out_of_the_band_and_keeps_it_in_the_normaliser():
+    # band [0.5, 2]: rho 4 is out -> w = [1, 0, 0.8]; pg = -A = [-1, -2, 1]
+    # loss = (-1 * 1 + 0 + 1 * 0.8) / 3 (the masked token still counts) = -0.2 / 3; grad = w * -A / 3
+    loss, grad, metrics = _one_row_loss("mis")
+    torch.testing.assert_close(loss, torch.tensor(-0.2 / 3, dtype=torch.float64))
+    torch.testing.assert_close(grad, torch.tensor([[-1 / 3, 0.0, 0.8 / 3]], dtype=torch.float64))
+    assert metrics["off_policy/masked_frac"] == pytest.approx(1 / 3)
+    assert metrics["off_policy/weight_mean"] == pytest.approx(1.8 / 3)
+    assert metrics["off_policy/ratio_mean"] == pytest.approx(5.8 / 3)
+    assert metrics["off_policy/clipped_frac"] == 0.0
+
+
+def test_icepop_masks_without_reweighting_and_tis_truncates():
+    # icepop: w = [1, 0, 1] -> loss (-1 + 0 + 1) / 3 = 0, grad [-1/3, 0, 1/3]
+    loss, grad, metrics = _one_row_loss("icepop")
+    assert abs(float(loss)) < 1e-15
+    torch.testing.assert_close(grad, torch.tensor([[-1 / 3, 0.0, 1 / 3]], dtype=torch.float64))
+    # tis (cap 2): w = [1, 2, 0.8] -> loss (-1 - 4 + 0.8) / 3 = -4.2 / 3; one token of three truncated
+    loss, grad, metrics = _one_row_loss("tis")
+    torch.testing.assert_close(loss, torch.tensor(-4.2 / 3, dtype=torch.float64))
+    torch.testing.assert_close(grad, torch.tensor([[-1 / 3, -4 / 3, 0.8 / 3]], dtype=torch.float64))
+    assert metrics["off_policy/clipped_frac"] == pytest.approx(1 / 3)
+    assert metrics["off_policy/masked_frac"] == 0.0
+
+
+def test_decoupled_mode_is_the_token_mean_of_decoupled_ppo_loss_and_tis_equals_none():
+    from yatt_ray.algos import aggregate, decoupled_ppo_loss, tis_weights
+    from yatt_ray.config import AlgoConfig
+
+    gen = torch.Generator().manual_seed(3)
+    logp = torch.randn(4, 6, generator=gen) - 2  # prompt width 2: response columns 1..5
+    mask = (torch.rand(4, 5, generator=gen) > 0.2).float()
+    old = logp[:, 1:] + 0.2 * torch.randn(4, 5, generator=gen)
+    rollout = old + 0.6 * torch.randn(4, 5, generator=gen)
+    adv = torch.randn(4, 5, generator=gen)
+    mb = {"response_mask": mask, "advantages": adv, "old_logp": old, "rollout_logp": rollout}
+    tokens = float(mask.sum())
+
+    def run(**algo):
+        a = logp.clone().requires_grad_(True)
+        fn = policy_loss_fn(AlgoConfig(tis_cap=2.0, **algo), 2, tokens, 4.0, kl_coef=0.0, norm_len=5)
+        loss, _ = fn(a, torch.zeros_like(a), {**mb, "tis_weights": tis_weights(old, rollout, 2.0)})
+        loss.backward()
+        return loss.detach(), a.grad
+
+    b = logp[:, 1:].clone().requires_grad_(True)
+    per_token, _ = decoupled_ppo_loss(b, old, rollout, adv, 0.2, 0.2, cap=2.0)
+    expected = aggregate(per_token, mask, "token-mean", global_tokens=tokens)
+    expected.backward()
+    loss, grad = run(off_policy="decoupled")
+    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(grad[:, 1:], b.grad)
+    for mode in ("tis", "none"):  # the same weight: bit for bit on one device
+        other, other_grad = run(off_policy=mode)
+        assert torch.equal(other, loss) and torch.equal(other_grad, grad), mode
+
+
+def test_overlong_penalty_shapes_the_advantages_not_the_rewards():
+    cfg = Config()
+    cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer = 2, 6, 2
+    # both samples right (reward 1); sample 0 has 2 tokens, sample 1 hit the limit of 6:
+    # penalty: 0 up to 6 - 2 = 4 tokens, (4 - 6) / 2 = -1 at 6 -> shaped rewards [1, 0]
+    # grpo: mean 0.5, unbiased std sqrt(0.5) -> [+0.70711, -0.70711] (unshaped: all equal -> 0)
+    mask = torch.tensor([[1.0, 1.0, 0, 0, 0, 0], [1.0] * 6])
+    batch = inputs_for(torch.tensor([1.0, 1.0]), mask)
+    compute_advantages(batch, cfg.algo, 0.0, max_new_tokens=6)
+    assert batch.rewards.tolist() == [1.0, 1.0] and batch.overlong_penalty.tolist() == [0.0, -1.0]
+    expected = torch.tensor([[0.70711, 0.70711, 0, 0, 0, 0], [-0.70711] * 6])
+    torch.testing.assert_close(batch.advantages, expected, atol=1e-4, rtol=0)
+    assert sorted(batch.rows(torch.tensor([1])).tensors()) == sorted(batch.tensors())  # a row field
+    with pytest.raises(ValueError, match="pass max_new_tokens=config.rollout.max_new_tokens"):
+        compute_advantages(inputs_for(torch.tensor([1.0, 1.0]), mask), cfg.algo, 0.0)
+
+
+def test_without_a_buffer_the_advantages_are_unchanged():
+    cfg = Config()
+    cfg.rollout.n = 2
+    mask = torch.tensor([[1.0, 1.0, 0, 0, 0, 0], [1.0] * 6])
+    batch = inputs_for(torch.tensor([1.0, 0.0]), mask)
+    compute_advantages(batch, cfg.algo, 0.0, max_new_tokens=6)
+    plain = inputs_for(torch.tensor([1.0, 0.0]), mask)
+    compute_advantages(plain, cfg.algo, 0.0)
+    assert batch.overlong_penalty is None and torch.equal(batch.advantages, plain.advantages)

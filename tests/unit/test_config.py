@@ -243,3 +243,32 @@ def test_image_limits_are_checked():
     assert "data.max_images=0 must be >= 1" in message
     with pytest.raises(ConfigError, match="data.max_pixels=100 must be >= 784"):
         load_config(None, ["data.max_pixels=100"])
+
+
+def test_off_policy_and_overlong_keys_default_off_and_validate():
+    config = load_config(None, [])
+    assert (config.algo.off_policy, config.algo.is_band_low, config.algo.is_band_high) == ("none", 0.5, 2.0)
+    assert (config.algo.overlong_buffer, config.algo.overlong_penalty) == (0, 1.0)
+    set_ = load_config(None, ["algo.off_policy=icepop", "algo.is_band_low=0.25", "algo.is_band_high=4",
+                              "rollout.max_new_tokens=16", "algo.overlong_buffer=4", "algo.overlong_penalty=0.5"])  # fmt: skip
+    assert (set_.algo.off_policy, set_.algo.is_band_low, set_.algo.is_band_high) == ("icepop", 0.25, 4.0)
+    assert (set_.algo.overlong_buffer, set_.algo.overlong_penalty) == (4, 0.5)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algo.off_policy=pop", "algo.is_band_high=1", "rollout.max_new_tokens=8",
+                           "algo.overlong_buffer=8", "algo.overlong_penalty=-1"])  # fmt: skip
+    message = str(err.value)
+    assert "algo.off_policy='pop' is unknown; valid: decoupled, icepop, mis, none, tis" in message
+    assert "algo.is_band_low=0.5 and algo.is_band_high=1.0 must satisfy 0 <= low < 1 < high" in message
+    assert "algo.overlong_buffer=8 must be in [0, rollout.max_new_tokens=8)" in message
+    assert "algo.overlong_penalty=-1.0 must be >= 0" in message
+    with pytest.raises(ConfigError, match="algo.overlong_buffer=-1 must be in"):
+        load_config(None, ["algo.overlong_buffer=-1"])
+    for mode in ("tis", "decoupled"):
+        with pytest.raises(
+            ConfigError, match=f"algo.off_policy={mode} truncates its importance weight at algo.tis_cap"
+        ):
+            load_config(None, [f"algo.off_policy={mode}", "algo.tis_cap=null"])
+    mis = load_config(
+        None, ["algo.off_policy=mis", "algo.tis_cap=null"]
+    )  # the band bounds mis: no cap needed
+    assert mis.algo.tis_cap is None

@@ -271,3 +271,72 @@ def test_the_collector_alone_draws_scores_packs_and_keeps_its_state():
     )  # fmt: skip
     other.load_state_dict(collector.state_dict())
     assert other.keep_rate == collector.keep_rate
+
+
+class FakePool:
+    """An engine pool stand-in: `submit` records the weight version the engines hold when the request runs
+    (here: at submit), `wait` answers through a FakeEngine."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine, self.version, self.submitted = engine, 0, []
+
+    def submit(self, request):
+        from yatt_ray.rollout.pool import Generation
+
+        self.submitted.append(len(request.prompts))
+        n = len(request.prompts)
+        return Generation(request, [1] * n, self.engine.generate(request), [self.version] * n)
+
+    def wait(self, generation, on_finished=None):
+        for i, group in enumerate(generation.results):
+            if on_finished is not None:
+                on_finished(i, group)
+        return generation.results
+
+    def take_stats(self) -> dict[str, float]:
+        return {}
+
+    def age(self, version: int) -> int:
+        return self.version - version
+
+
+def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_staleness():
+    """`start` draws a later step's prompts and submits them; they stay unconsumed (held in flight, so the data
+    position keeps their epoch open) until `collect` takes them; each sample's staleness is reported, and a
+    step whose samples are older than rollout.max_staleness is generated again with the current weights,
+    counted."""
+    from yatt_ray.collector import RolloutCollector
+    from yatt_ray.metrics.timeline import SpanRecorder
+    from yatt_ray.metrics.timers import PhaseTimer
+
+    config = load_config(
+        None,
+        ["train.prompts_per_step=4", f"rollout.n={N_SAMPLES}", "rollout.max_staleness=1",
+         "placement.mode=disaggregated", "placement.rollout_engines=1"],
+    )  # fmt: skip
+    tokenizer, recorder = build_tokenizer(), SpanRecorder("trainer", "rank0", "cpu")
+    collector = RolloutCollector(
+        config, 0, 1, scorer=RewardScorer(config.reward, connect_timeout_s=5), tokenizer=tokenizer,
+        reward_fn=exact_match, timer=PhaseTimer(recorder=recorder), recorder=recorder,
+    )  # fmt: skip
+    pool = collector.engine = FakePool(FakeEngine(tokenizer, []))
+    rows = {
+        "id": list(range(16)),
+        "prompt": ["1+2="] * 16,
+        "ground_truth": ["3"] * 16,
+        "data_source": ["t"] * 16,
+    }
+    collector.feed = feed = PromptFeed(Shard(rows), None, batch_size=4)
+    first = collector.collect(1)  # not started ahead: started now
+    collector.start(2)
+    assert sorted(r.id for r in feed.lent.values()) == [4, 5, 6, 7] and feed.consumed == {0: [0, 1, 2, 3]}
+    pool.version = 1  # the trainer's weights moved on while step 2 generated
+    second = collector.collect(2)
+    assert first.counters["async/staleness_max"] == 0 and second.counters["async/staleness_max"] == 1
+    assert [r.id for r in collector.step_rows] == [4, 5, 6, 7] and not feed.lent
+    collector.start(3)
+    pool.version = 3  # two versions on: step 3's samples are too old for max_staleness=1
+    aged = collector.collect(3)
+    assert aged.counters["async/aged_out"] == 4 and aged.counters["async/staleness_max"] == 0
+    assert aged.size == 4 * N_SAMPLES and [r.id for r in collector.step_rows] == [8, 9, 10, 11]
+    assert pool.submitted == [4, 4, 4, 4]  # step 3 twice

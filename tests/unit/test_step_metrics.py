@@ -63,3 +63,14 @@ def test_the_registered_model_is_used(single_process_world):
     finally:
         register_perf_model(None)
     assert m["perf/peak_flops"] == 1e6 and "perf/mfu_train" in m and "perf/mfu_rollout" in m
+
+
+def test_overlong_penalty_mean_is_reported_only_with_a_buffer(single_process_world):
+    register_perf_model(None)
+    b = batch()
+    b.overlong_penalty = torch.tensor([0.0, -0.5])  # compute_advantages sets it with algo.overlong_buffer > 0
+    m = reduce_metrics(1, b, {}, dict(TIMES), True, AlgoConfig(overlong_buffer=1))
+    assert m["reward/overlong_penalty_mean"] == pytest.approx(-0.25)  # (0 - 0.5) / 2 samples
+    assert m["reward_mean"] == pytest.approx(0.5)  # the task reward, unshaped
+    m = reduce_metrics(1, batch(), {}, dict(TIMES), True, AlgoConfig())
+    assert "reward/overlong_penalty_mean" not in m

@@ -1,5 +1,6 @@
 """Pure tensor functions of RL post-training (advantages, policy and value losses, KL estimators and
-controllers, loss aggregation, rollout/trainer mismatch correction), each registered by name so that a config can pick it.
+controllers, loss aggregation, rollout/trainer mismatch and off-policy correction, reward shaping), each registered
+by name so that a config can pick it.
 
 Importing this package fills the registries (each module registers its functions on import); look a
 function up with e.g. ``ADVANTAGE_ESTIMATORS.get("grpo")`` (an `AdvantageEstimator`: callable, and its flags
@@ -41,6 +42,12 @@ Clipping. "ppo_clip" takes separate ``clip_low`` / ``clip_high`` (DAPO's clip-hi
 (off by default, as in most LLM frameworks). GSPO's sequence ratio needs ranges near 3e-4 / 4e-4, not 0.2.
 Every ratio is taken from a log-ratio clamped to [-20, 20] before ``exp``; this only prevents overflow.
 
+Off-policy correction. verl (among others) multiplies the policy loss by a truncated importance weight against
+the rollout engine's log-probs (TIS); IcePop / masked importance sampling drop tokens whose ratio leaves a band;
+AReaL's decoupled PPO clips against a recomputed proximal policy and weights by proximal / behaviour (AReaL drops
+tokens above its cap; yatt_ray truncates). yatt_ray: ``algo.off_policy`` (none, tis, mis, icepop, decoupled) in
+`yatt_ray.algos.off_policy`, whose docstring has the formulas; a token a band masks stays in the loss normaliser.
+
 Precision. Every function computes in at least float32 (bf16 / fp16 inputs are promoted; float64 stays).
 """
 
@@ -76,19 +83,29 @@ from yatt_ray.algos.kl import (
 )
 from yatt_ray.algos.losses import cispo_loss, clipped_value_loss, gspo_loss, ppo_clip_loss
 from yatt_ray.algos.mismatch import mismatch_stats, tis_weights
+from yatt_ray.algos.off_policy import (
+    decoupled_ppo_loss,
+    importance_ratio,
+    importance_weight_stats,
+    off_policy_weights,
+    staleness_stats,
+)
 from yatt_ray.algos.registry import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     DuplicateNameError,
     Registry,
 )
+from yatt_ray.algos.shaping import overlong_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageEstimator",
@@ -100,10 +117,13 @@ __all__ = [
     "estimate_advantages",
     "cispo_loss",
     "clipped_value_loss",
+    "decoupled_ppo_loss",
     "gae_advantages",
     "grpo_advantages",
     "grpo_no_std_advantages",
     "gspo_loss",
+    "importance_ratio",
+    "importance_weight_stats",
     "kl_estimate",
     "kl_k1",
     "kl_k2",
@@ -111,6 +131,8 @@ __all__ = [
     "kl_low_var",
     "masked_whiten",
     "mismatch_stats",
+    "off_policy_weights",
+    "overlong_penalty",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
@@ -119,6 +141,7 @@ __all__ = [
     "seq_mean_token_mean",
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
+    "staleness_stats",
     "tis_weights",
     "token_mean",
     "token_rewards_from_outcome",

@@ -1,4 +1,5 @@
-"""Name -> function registries for advantage estimators, policy losses, KL estimators and loss aggregations.
+"""Name -> function registries for advantage estimators, policy losses, KL estimators, loss aggregations and
+off-policy corrections.
 
 A config names an algorithm by string (``algo.advantage = "grpo"``); the code looks it up here. Registering a
 name twice is a programming error and raises at import time; looking up an unknown name raises
@@ -21,6 +22,7 @@ __all__ = [
     "AdvantageEstimator",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "DuplicateNameError",
     "Registry",
@@ -166,3 +168,4 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
 KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
 LOSS_AGGREGATIONS: Registry[Callable] = Registry("loss aggregation")
+OFF_POLICY_CORRECTIONS: Registry[Callable] = Registry("off-policy correction")

@@ -150,6 +150,7 @@ class PromptFeed:
         self.first_full_epoch = self.rest[-1][0] + 1 if self.rest else epoch
         self.consumed: Position = {e: list(ids) for e, ids in (carried or {}).items()}
         self.queue: deque[FeedRow] = deque()
+        self.lent: dict[int, FeedRow] = {}  # popped, not yet consumed or requeued (in flight), by object id
         self.last_ids: list = []  # ids of the latest `next()` batch
         self.rejected: list[
             FeedRow
@@ -199,12 +200,18 @@ class PromptFeed:
         return self.first_batch_at
 
     def pop(self, k: int) -> list[FeedRow]:
-        """Up to `k` rows from the front of the queue."""
-        return [self.queue.popleft() for _ in range(min(k, len(self.queue)))]
+        """Up to `k` rows from the front of the queue. They count as held (`open_epoch`) until consumed or
+        requeued: an asynchronous rollout keeps them in flight across a checkpoint, and a resumed run reads
+        them again."""
+        rows = [self.queue.popleft() for _ in range(min(k, len(self.queue)))]
+        self.lent.update((id(r), r) for r in rows)
+        return rows
 
     def requeue(self, rows: list[FeedRow]) -> None:
         """Put `rows` back at the front of the queue, in their order (each one's abort count + 1): not consumed,
         served first next time."""
+        for r in rows:
+            self.lent.pop(id(r), None)
         self.queue.extendleft(replace(r, aborts=r.aborts + 1) for r in reversed(rows))
 
     def consume(self, rows: list[FeedRow]) -> None:
@@ -213,6 +220,7 @@ class PromptFeed:
         without an id is left out (warned once): a resumed run trains it again in its epoch."""
         unrecorded = 0
         for r in rows:
+            self.lent.pop(id(r), None)
             if has_id(r.id):
                 self.consumed.setdefault(r.epoch, []).append(r.id)
             else:
@@ -240,8 +248,9 @@ class PromptFeed:
 
     # ---- the position -------------------------------------------------------------------------------
     def open_epoch(self) -> int:
-        """The oldest epoch this group still reads, holds in its queue, or has its stream in."""
-        held = [r.epoch for r in (*self.queue, *self._buffer) if r is not None]
+        """The oldest epoch this group still reads, holds in its queue or in flight (popped, not yet consumed
+        or requeued), or has its stream in."""
+        held = [r.epoch for r in (*self.queue, *self._buffer, *self.lent.values()) if r is not None]
         return min([self.epoch, *held])
 
     def position(self, since: int) -> Position:

@@ -25,12 +25,14 @@ engine.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,6 +43,10 @@ from yatt_ray.rollout.base import Completion, GenerateRequest, OnFinished, deriv
 log = logging.getLogger(__name__)
 
 Bucket = list[tuple[str, torch.Tensor]]
+# a weight version: (the training function's attempt in this run, pushes in that attempt); a restarted run's
+# pushes are newer than every push before it, so an engine never keeps weights the resumed run rolled back
+Tag = tuple[int, int]
+INITIAL: Tag = (0, -1)  # the model directory's weights
 Weights = Callable[[], Iterable[Iterable[tuple[str, torch.Tensor]]]]  # the policy's buckets, gathered anew
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -54,7 +60,10 @@ class EngineActor:
         if threads > 0:
             torch.set_num_threads(threads)
         self.engine = make_engine(kind, model_dir, **engine_kwargs)
-        self.version = -1  # the model directory's weights: stale for any trained version
+        # calls run on a few threads (a weight push need not wait behind every queued request); the engine
+        # itself is used by one at a time, under `ready`
+        self.ready = threading.Condition()
+        self.version: Tag = INITIAL  # the model directory's weights
         self.group: Any = None
         self.store: Any = None
 
@@ -68,20 +77,40 @@ class EngineActor:
             "takes_image_features": bool(getattr(self.engine, "takes_image_features", False)),
         }
 
-    def generate(self, request: GenerateRequest, version: int) -> tuple[list, int] | None:
-        """(per prompt its completions or None if aborted, aborted count); None when this engine's weights
-        are not `version` (restarted since the last push): the caller pushes them or goes elsewhere."""
-        if version != self.version:
+    def generate(self, request: GenerateRequest, version: Tag, pid: int) -> tuple[list, int, Tag] | None:
+        """(per prompt its completions or None if aborted, aborted count, the weight version that generated
+        them). None when this is not the process `pid` the caller knew (restarted: it holds the model
+        directory's weights): the caller pushes them or goes elsewhere. Otherwise it waits until it holds
+        weights of `version` or newer (a push may still be on its way); a newer version is fine, and is
+        reported (asynchronous rollout)."""
+        if pid != os.getpid():
             return None
-        out = self.engine.generate(request)
-        return out, int(self.engine.last_aborted)
+        with self.ready:
+            if not self.ready.wait_for(lambda: self.version >= version, GROUP_TIMEOUT.total_seconds()):
+                raise YattError(
+                    f"rollout engine: weights of version {version} never arrived (holds {self.version})"
+                )
+            out = self.engine.generate(request)
+            return out, int(self.engine.last_aborted), self.version
 
-    def load_weights(self, bucket: Bucket) -> None:
-        self.engine.load_weights(bucket)
+    def apply(self, version: Tag, *buckets: Bucket) -> None:
+        """Every bucket of weight `version`, then the version; older than what it holds: skipped (pushes are
+        sent without waiting, so two may arrive out of order)."""
+        with self.ready:
+            if version <= self.version:
+                return
+            for bucket in buckets:
+                self.engine.load_weights(bucket)
+            self.engine.finish_weight_sync()
+            self.version = version
+            self.ready.notify_all()
 
-    def finish_weight_sync(self, version: int) -> None:
-        self.engine.finish_weight_sync()
-        self.version = version
+    def finish_weight_sync(self, version: Tag) -> None:
+        """The end of a push through the broadcast group (`receive`, bucket by bucket)."""
+        with self.ready:
+            self.engine.finish_weight_sync()
+            self.version = max(self.version, version)
+            self.ready.notify_all()
 
     def join_group(self, host: str, port: int, rank: int, size: int, prefix: str) -> None:
         """Join the pusher's broadcast group as `rank` (blocks until every member joined)."""
@@ -95,7 +124,21 @@ class EngineActor:
         buffers = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in _flat_sizes(meta).items()}
         for buffer in buffers.values():
             _broadcast(self.group, buffer)
-        self.engine.load_weights(_unflatten(meta, buffers))
+        with self.ready:
+            self.engine.load_weights(_unflatten(meta, buffers))
+
+
+@dataclass
+class Generation:
+    """A request in flight on the engines (`EnginePool.submit`): its sub-requests, and per prompt the results
+    and the weight version that produced them (`EnginePool.age` tells how old)."""
+
+    request: GenerateRequest
+    costs: list[int]
+    results: list[list[Completion] | None]
+    versions: list[Tag]
+    pending: dict[Any, tuple[int, list[int]]] = field(default_factory=dict)
+    avoid: set[int] = field(default_factory=set)  # stale engines this controller cannot refresh
 
 
 @dataclass(frozen=True)
@@ -142,8 +185,9 @@ def start_engine_pool(
     threads = int(resources.get("CPU", 0))
     gpus = resources.get("GPU", 0.0)
     actor = ray.remote(EngineActor).options(
-        num_cpus=resources.get("CPU", 1.0), num_gpus=gpus, max_restarts=-1, max_task_retries=0
-    )
+        num_cpus=resources.get("CPU", 1.0), num_gpus=gpus, max_restarts=-1, max_task_retries=0,
+        max_concurrency=4,
+    )  # fmt: skip
     engines: list[Any] = [
         actor.remote(kind, model_dir, threads, {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i})
         for i in range(count)
@@ -167,7 +211,9 @@ class EnginePool:
     for a restarted engine (None when gathering needs other ranks, tp_size > 1); `seed`: this controller's
     sampling stream."""
 
-    def __init__(self, handles: EngineHandles, pusher: bool, weights: Weights | None, seed: int) -> None:
+    def __init__(
+        self, handles: EngineHandles, pusher: bool, weights: Weights | None, seed: int, attempt: int = 1
+    ) -> None:
         import ray
 
         self.engines, self.router, self.transport = handles.engines, handles.router, handles.transport
@@ -175,7 +221,10 @@ class EnginePool:
         infos = ray.get([e.info.remote() for e in self.engines])
         self.takes_image_features = infos[0]["takes_image_features"]
         self.nodes = [i["node"] for i in infos]
-        self.version = -1
+        self.attempt = (
+            attempt  # the training function's start in this run: versions of earlier ones are older
+        )
+        self.version = -1  # pushes so far in this attempt (-1: the model directory's weights)
         self.calls = 0  # requests without a seed so far: the sampling stream's position
         self.last_aborted = 0
         self.stats = {"rollout/engine_requests": 0.0, "rollout/resent_prompts": 0.0}
@@ -184,6 +233,21 @@ class EnginePool:
         self._store: Any = None
         self._pids = [i["pid"] for i in infos]
         self._syncing = False
+        self._buckets: list[Any] = []  # this push's buckets in the object store (pusher only)
+        self._applying: list[Any] = []  # the engines' applies of the latest push, not waited for
+
+    @property
+    def tag(self) -> Tag:
+        """The weight version this controller's requests ask for (or newer)."""
+        return INITIAL if self.version < 0 else (self.attempt, self.version)
+
+    def age(self, tag: Tag) -> int:
+        """Pushes between the weights that generated a sample (`tag`) and this controller's: its staleness.
+        The model directory's weights are push -1 of the first attempt; an earlier attempt's are older than
+        any bound."""
+        if tag == INITIAL:
+            return self.version + 1
+        return self.version - tag[1] if tag[0] == self.attempt else 2**31
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(
@@ -191,34 +255,50 @@ class EnginePool:
     ) -> list[list[Completion] | None]:
         """Split `request` over the engines by the router, gather the results in prompt order; each prompt's
         `on_finished` as its engine's part returns."""
-        import ray
+        return self.wait(self.submit(request), on_finished)
 
-        if request.spec.seed is None:  # where a prompt runs must not change what it samples
+    def submit(self, request: GenerateRequest) -> Generation:
+        """Send `request` to the engines and return at once: `wait()` gathers it (asynchronous rollout keeps
+        generating while the trainer trains)."""
+        if request.spec.seed is None:  # a run given the same routing samples the same
             request = replace(request, spec=replace(request.spec, seed=derive_seed(self.seed, self.calls)))
             self.calls += 1
-        results: list[list[Completion] | None] = [None] * len(request.prompts)
         costs = [len(p) + request.spec.n * request.spec.max_new_tokens for p in request.prompts]
-        avoid: set[int] = set()  # stale engines this controller cannot refresh
-        pending = self._dispatch(request, list(range(len(request.prompts))), costs, avoid)
+        generation = Generation(
+            request, costs, [None] * len(request.prompts), [INITIAL] * len(request.prompts)
+        )
+        generation.pending = self._dispatch(
+            request, list(range(len(request.prompts))), costs, generation.avoid
+        )
+        return generation
+
+    def wait(
+        self, generation: Generation, on_finished: OnFinished | None = None
+    ) -> list[list[Completion] | None]:
+        """The results of a submitted request (prompts of a dead or stale engine sent again); the weight
+        version of each prompt's samples lands in `generation.versions`."""
+        import ray
+
         self.last_aborted = 0
-        while pending:
-            [ref], _ = ray.wait(list(pending), num_returns=1)
-            engine, idxs = pending.pop(ref)
-            self.router.release.remote(engine, sum(costs[i] for i in idxs))
+        g = generation
+        while g.pending:
+            [ref], _ = ray.wait(list(g.pending), num_returns=1)
+            engine, idxs = g.pending.pop(ref)
+            self.router.release.remote(engine, sum(g.costs[i] for i in idxs))
             out = self._result(ref, engine)
             if out is None:  # died or stale: the same prompts again, after weights reached that engine
                 if not self._refresh(engine):
-                    avoid.add(engine)
+                    g.avoid.add(engine)
                 self.stats["rollout/resent_prompts"] += len(idxs)
-                pending.update(self._dispatch(request, idxs, costs, avoid))
+                g.pending.update(self._dispatch(g.request, idxs, g.costs, g.avoid))
                 continue
-            groups, aborted = out
+            groups, aborted, version = out
             self.last_aborted += aborted
             for i, group in zip(idxs, groups):
-                results[i] = group
+                g.results[i], g.versions[i] = group, version
                 if group is not None and on_finished is not None:
                     on_finished(i, group)
-        return results
+        return g.results
 
     def _dispatch(
         self, request: GenerateRequest, idxs: list[int], costs: list[int], avoid: set[int]
@@ -240,10 +320,11 @@ class EnginePool:
         for engine, part in by_engine.items():
             sub = _sub_request(request, part)
             self.stats["rollout/engine_requests"] += 1
-            pending[self.engines[engine].generate.remote(sub, self.version)] = (engine, part)
+            call = self.engines[engine].generate.remote(sub, self.tag, self._pids[engine])
+            pending[call] = (engine, part)
         return pending
 
-    def _result(self, ref: Any, engine: int) -> tuple[list, int] | None:
+    def _result(self, ref: Any, engine: int) -> tuple[list, int, Tag] | None:
         import ray
 
         try:
@@ -255,42 +336,62 @@ class EnginePool:
     def _refresh(self, engine: int) -> bool:
         """Push the current weights to `engine` (restarted: it waits for it); False when this controller cannot
         gather them alone."""
+        import ray
+
         if self.weights is None:
             return False
         actor = self.engines[engine]
-        _wait_until_up(actor)
-        for bucket in self.weights():
-            _push_by_object_store([actor], list(bucket))
-        _finish([actor], self.version)
+        self._pids[engine] = _wait_until_up(actor)["pid"]
+        refs = [ray.put(list(bucket)) for bucket in self.weights()]
+        ray.get(actor.apply.remote(self.tag, *refs))
         return True
 
     # ---- weight sync ------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One bucket of the new weights to every engine (the pusher only; other controllers skip it)."""
+        """One bucket of the new weights (the pusher only; other controllers skip it): into the object store
+        for the engines on this node, through the broadcast group to the others."""
+        import ray
+
         if not self.pusher:
             return
-        if not self._syncing:  # the push's first bucket: every engine up, the broadcast group as it stands
+        if not self._syncing:  # the push's first bucket: the previous push applied, every engine up
             self._check_engines()
             self._syncing = True
         bucket = [(name, t.detach().cpu()) for name, t in named_tensors]
-        local = [e for i, e in enumerate(self.engines) if i not in self._broadcast_members()]
-        if local:
-            _push_by_object_store(local, bucket)
+        if len(self._broadcast_members()) < len(self.engines):
+            self._buckets.append(ray.put(bucket))  # once: every engine on the node reads the same object
         if self._group_members:
             self._push_by_broadcast(bucket)
 
     def finish_weight_sync(self, version: int | None = None) -> None:
-        """Every engine holds the pushed weights; this controller's requests ask for `version` from now on (the
-        caller makes the controllers wait for the pusher before they generate)."""
+        """This controller's requests ask for the new version from now on. The pusher sends each engine on its
+        node the push's buckets and version without waiting: an engine applies them once its current request
+        is done, and a request for the new version waits for them (the trainer goes on meanwhile)."""
         self.version = self.version + 1 if version is None else version
-        if self.pusher:
-            if not self._syncing:
-                self._check_engines()
-            _finish(self.engines, self.version)
-        self._syncing = False
+        if not self.pusher:
+            return
+        if not self._syncing:
+            self._check_engines()
+        local = [e for i, e in enumerate(self.engines) if i not in self._group_members]
+        self._applying = [e.apply.remote(self.tag, *self._buckets) for e in local]
+        if self._group_members:
+            _finish([self.engines[i] for i in self._group_members], self.tag)
+        self._buckets, self._syncing = [], False
+
+    def wait_applied(self) -> None:
+        """Until every engine applied the latest push (one that died meanwhile gets the next push instead)."""
+        import ray
+
+        for call in self._applying:
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                ray.get(call)
+        self._applying = []
 
     def _check_engines(self) -> None:
-        """Wait for restarting engines; a restarted member of the broadcast group means a new group."""
+        """The previous push applied (an engine that died meanwhile restarts with the model directory's
+        weights and gets these); every engine up; a restarted member of the broadcast group means a new
+        group."""
+        self.wait_applied()
         pids = [_wait_until_up(e)["pid"] for e in self.engines]
         if self._group is not None and any(pids[i] != self._pids[i] for i in self._group_members):
             self._group = self._store = None  # formed again, with the restarted engines, on first use
@@ -383,14 +484,7 @@ def _wait_until_up(actor: Any, timeout_s: float = 600.0) -> dict[str, Any]:
             time.sleep(0.2)
 
 
-def _push_by_object_store(engines: list[Any], bucket: Bucket) -> None:
-    import ray
-
-    ref = ray.put(bucket)  # once: every engine on the node reads the same shared-memory object
-    ray.get([e.load_weights.remote(ref) for e in engines])
-
-
-def _finish(engines: list[Any], version: int) -> None:
+def _finish(engines: list[Any], version: Tag) -> None:
     import ray
 
     ray.get([e.finish_weight_sync.remote(version) for e in engines])
