@@ -66,6 +66,7 @@ class EngineActor:
         self.version: Tag = INITIAL  # the model directory's weights
         self.group: Any = None
         self.store: Any = None
+        self.staged: list[Bucket] = []  # buckets received through the broadcast group, not applied yet
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -106,11 +107,10 @@ class EngineActor:
             self.ready.notify_all()
 
     def finish_weight_sync(self, version: Tag) -> None:
-        """The end of a push through the broadcast group (`receive`, bucket by bucket)."""
-        with self.ready:
-            self.engine.finish_weight_sync()
-            self.version = max(self.version, version)
-            self.ready.notify_all()
+        """The end of a push through the broadcast group: the buckets `receive` staged, applied at once (a
+        request between two buckets never sees half of the new weights)."""
+        staged, self.staged = self.staged, []
+        self.apply(version, *staged)
 
     def join_group(self, host: str, port: int, rank: int, size: int, prefix: str) -> None:
         """Join the pusher's broadcast group as `rank` (blocks until every member joined)."""
@@ -124,8 +124,7 @@ class EngineActor:
         buffers = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in _flat_sizes(meta).items()}
         for buffer in buffers.values():
             _broadcast(self.group, buffer)
-        with self.ready:
-            self.engine.load_weights(_unflatten(meta, buffers))
+        self.staged.append(list(_unflatten(meta, buffers)))  # applied with the rest by finish_weight_sync
 
 
 @dataclass
@@ -221,9 +220,8 @@ class EnginePool:
         infos = ray.get([e.info.remote() for e in self.engines])
         self.takes_image_features = infos[0]["takes_image_features"]
         self.nodes = [i["node"] for i in infos]
-        self.attempt = (
-            attempt  # the training function's start in this run: versions of earlier ones are older
-        )
+        # the training function's start in this run: the versions of earlier starts are older
+        self.attempt = attempt
         self.version = -1  # pushes so far in this attempt (-1: the model directory's weights)
         self.calls = 0  # requests without a seed so far: the sampling stream's position
         self.last_aborted = 0
