@@ -160,8 +160,16 @@ class GroupController:
         )  # engines kept weights
         if self.resumed is None and not restarted_pool:
             return
-        if engine is not None and self.resumed is not None and self.resumed.engine_rng is not None:
-            engine.set_rng_state(self.resumed.engine_rng)  # samples as the uninterrupted run would
+        saved = None if self.resumed is None else self.resumed.engine_rng
+        if engine is not None and saved is not None:
+            if ("pool_calls" in saved) == hasattr(engine, "submit"):
+                engine.set_rng_state(saved)  # samples as the uninterrupted run would
+            else:  # placement.rollout_engines changed between the runs: a legitimate change of placement
+                log.warning(
+                    "the checkpoint's sampling stream is that of %s; this run's start a fresh one (its samples "
+                    "differ from an uninterrupted run's)",
+                    "engine actors" if "pool_calls" in saved else "in-process engines",
+                )
         self.sync_weights()  # the rollout engine generates with the restored policy
 
     # ---- the loop -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Disaggregated rollout engines end to end: engine actors on accelerators of their own (the shared cluster's
 logical GPUs), reached by both controllers through the router, weights pushed every step. Asynchronous rollout
 (rollout.max_staleness=2: the engines generate two steps ahead while the trainers train) with an engine actor
-and a training worker killed in one run, then the run resumed: every prompt trained once, none lost with the
-steps in flight at each stop. (The synchronous engine actor, its weights every step and a killed worker:
+and a training worker killed in one run, then the run resumed, and resumed again in full placement: every
+prompt trained once, none lost with the steps in flight at each stop. (The synchronous engine actor, its weights every step and a killed worker:
 tests/integration/test_genrm_fit.py's disaggregated run.)"""
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def test_engine_actors_survive_kills_and_resumes_with_each_prompt_once(ray_clust
 
     again = pooled_run(ckpt, tmp_path / "b", 8, "rollout.max_staleness=2")  # resumed (asynchronous)
     assert train_steps(again) == list(range(1, 9))
+    # ... and resumed again with the engines back inside the trainers (full placement): a change of placement
+    # between runs starts a fresh sampling stream (the saved one is the engine actors')
+    last = pooled_run(ckpt, tmp_path / "c", 9, "placement.mode=full", "placement.rollout_engines=0")
+    assert train_steps(last) == list(range(1, 10))
     audit = prompt_audit(ckpt)
-    assert audit.steps == 8 and audit.prompts == 8 * PROMPTS, audit
+    assert audit.steps == 9 and audit.prompts == 9 * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
