@@ -43,7 +43,8 @@ def run(name: str, args: argparse.Namespace, *overrides: str) -> yatt_ray.Result
         REPO / "examples/configs/grpo_longtail.yaml",
         [f"train.steps={args.steps}", "train.dp_size=1", "train.prompts_per_step=16", "train.balance=off",
          "rollout.over_sample=1.0", "rollout.engine=hf", "data.eval_files=[]", f"train.seed={args.seed}",
-         f"output.dir={args.out / name}", "output.progress=false", "checkpoint.enable=false", *overrides],
+         f"output.dir={args.out / name}", "output.progress=false", "checkpoint.enable=false", *args.overrides,
+         *overrides],
     )  # fmt: skip
     return yatt_ray.fit(config)
 
@@ -63,6 +64,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--etas", default="0,1,2,4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_async")
+    p.add_argument("overrides", nargs="*", help="config keys for every run (key=value), e.g. rollout.n=4")
     args = p.parse_args(argv)
     etas = [int(e) for e in args.etas.split(",")]
     runs = {"colocated": run("colocated", args, "placement.mode=full", "cluster.cpus_per_worker=2")}

@@ -132,19 +132,11 @@ class RolloutCollector:
                 "up with %d uniform groups (raise algo.max_draws, or check the reward)",
                 len(kept), self.share, self.config.algo.max_draws, self.share - len(kept),
             )  # fmt: skip
-        groups = top_up(kept, dropped, self.share)
-        bad_images = self._drain_rejected()
-        greedy = self._greedy_baseline(step, groups) if self.needs_greedy else None
-        batch = self._pack(groups)
-        batch.greedy_rewards = greedy
-        batch.counters = {
-            **self.scorer.take_stats(),
-            **(self.engine.take_stats() if hasattr(self.engine, "take_stats") else {}),  # engine actors
+        batch = self._batch(step, top_up(kept, dropped, self.share))
+        batch.counters.update({
             "rollout/aborted_prompts": float(counts["aborted"]),  # stopped in the engine
             "rollout/requeued_prompts": float(counts["requeued"]),  # aborted + finished but not needed
-            "data/queued_prompts": float(len(self.feed.queue)),
-            **({"data/bad_images": float(bad_images)} if self.prompts.layout is not None else {}),
-        }
+        })  # fmt: skip
         if dynamic != "off":
             batch.counters.update({
                 "dynamic/draws": float(counts["draws"]),
@@ -209,15 +201,27 @@ class RolloutCollector:
         ]  # fmt: skip
         kept: list[Group] = []
         self._take(groups, kept, [])
-        batch = self._pack(kept)
-        batch.counters = {
-            **self.scorer.take_stats(),
-            **self.engine.take_stats(),
+        batch = self._batch(step, kept)
+        batch.counters.update({
             "async/staleness_mean": sum(ages) / max(len(ages), 1),
             "async/staleness_max": float(max(ages, default=0)),
             "async/aged_out": float(len(aged)),
             "async/inflight_steps": float(len(self.inflight)),
+        })  # fmt: skip
+        return batch
+
+    def _batch(self, step: int, groups: list[Group]) -> RolloutBatch:
+        """The step's scored batch of `groups` (with ReMax's greedy baseline) and the counters every step
+        reports: the scorer's, the engine actors', the queue, the rows whose images did not load."""
+        bad_images = self._drain_rejected()
+        greedy = self._greedy_baseline(step, groups) if self.needs_greedy else None
+        batch = self._pack(groups)
+        batch.greedy_rewards = greedy
+        batch.counters = {
+            **self.scorer.take_stats(),
+            **(self.engine.take_stats() if hasattr(self.engine, "take_stats") else {}),  # engine actors
             "data/queued_prompts": float(len(self.feed.queue)),
+            **({"data/bad_images": float(bad_images)} if self.prompts.layout is not None else {}),
         }
         return batch
 

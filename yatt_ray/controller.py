@@ -155,9 +155,8 @@ class GroupController:
         (the weight sync)."""
         if engine is not None and self.collector is not None:
             self.collector.engine = engine
-        restarted_pool = (
-            self.config.placement.rollout_engines > 0 and self.attempt > 1
-        )  # engines kept weights
+        # engine actors outlive a restart of the workers: they hold the failed attempt's weights
+        restarted_pool = self.config.placement.rollout_engines > 0 and self.attempt > 1
         if self.resumed is None and not restarted_pool:
             return
         saved = None if self.resumed is None else self.resumed.engine_rng
@@ -216,9 +215,7 @@ class GroupController:
             with timer.phase("offload"):
                 self._move_trainers("offload")
         scored = self._collect(step) if self.collector is not None else None
-        if (
-            self.collector is not None and cfg.rollout.max_staleness > 0
-        ):  # the engines generate while we train
+        if self.collector is not None and cfg.rollout.max_staleness > 0:  # generating while this step trains
             with timer.phase("rollout"):
                 for ahead in range(step + 1, min(step + cfg.rollout.max_staleness, cfg.train.steps) + 1):
                     self.collector.start(ahead)
@@ -389,8 +386,8 @@ class GroupController:
 
     def sync_weights(self) -> None:
         """Trainer -> engine, in buckets; non-controller ranks join the TP gather only. In-process engines take
-        them in memory. Engine actors (`rollout/pool.py`) take them from group 0 alone, and every rank waits
-        for that push before any controller asks for the new version."""
+        them in memory. Engine actors (`rollout/pool.py`) get them from group 0 alone, which sends them before
+        any controller asks for the new version (the engines apply them between requests)."""
         bucket_bytes = self.config.rollout.weight_sync_bucket_mb * 2**20
         engine = None if self.collector is None else self.collector.engine
         pooled = self.config.placement.rollout_engines > 0
@@ -401,7 +398,7 @@ class GroupController:
         if engine is not None:
             engine.finish_weight_sync()  # engine actors: group 0's pushes the version, the others move to it
         if pooled:
-            dist.barrier()  # the push is complete before any controller generates again
+            dist.barrier()  # the push is sent before any controller asks an engine for its version
 
     # ---- evaluation and reporting -------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -126,9 +126,9 @@ def test_errors_name_the_problem():
     old, rollout = _logps()
     with pytest.raises(UnknownNameError, match="valid: decoupled, icepop, mis, none, tis"):
         off_policy_weights("pop", old, rollout, MASK)
-    with pytest.raises(ValueError, match="'tis' needs a cap > 0"):
+    with pytest.raises(ValueError, match=r"'tis' and 'decoupled' need a cap > 0 \(algo.tis_cap\), got None"):
         off_policy_weights("tis", old, rollout, MASK, cap=None)
-    with pytest.raises(ValueError, match="'decoupled' needs a cap > 0"):
+    with pytest.raises(ValueError, match=r"'tis' and 'decoupled' need a cap > 0 \(algo.tis_cap\), got None"):
         off_policy_weights("decoupled", old, rollout, MASK, cap=None)
     with pytest.raises(ValueError, match=r"0 <= low < 1 < high, got \[1.0, 2.0\]"):
         off_policy_weights("icepop", old, rollout, MASK, low=1.0, high=2.0)

@@ -2,17 +2,14 @@
 logical GPUs), reached by both controllers through the router, weights pushed every step. Asynchronous rollout
 (rollout.max_staleness=2: the engines generate two steps ahead while the trainers train) with an engine actor
 and a training worker killed in one run, then the run resumed, and resumed again in full placement: every
-prompt trained once, none lost with the steps in flight at each stop. (The synchronous engine actor, its weights every step and a killed worker:
-tests/integration/test_genrm_fit.py's disaggregated run.)"""
+prompt trained once, none lost with the steps in flight at each stop. (The synchronous engine actor, its
+weights every step and a killed worker: tests/integration/test_genrm_fit.py's disaggregated run.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-import yatt_ray
-from yatt_ray.config import Config
+from tests.integration.test_checkpoint_resume import PROMPTS, short_run, train_steps
 from yatt_ray.testing.drills import (
     committed_steps,
     kill_engine_actor,
@@ -22,28 +19,13 @@ from yatt_ray.testing.drills import (
 )
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parents[2]
-PROMPTS = 8
+# two engine actors on logical GPUs of their own, beside the two trainers' (the checkpoint drills' short run)
+ENGINES = ("rollout.engine=hf", "placement.mode=disaggregated", "placement.rollout_engines=2",
+           "cluster.use_gpu=true", "cluster.cpus_per_worker=1")  # fmt: skip
 
 
-def pooled_run(ckpt_dir, out, steps: int, *overrides: str) -> yatt_ray.Result:
-    from yatt_ray.tasks.demo import prepare_demo
-
-    demo = prepare_demo(Config())
-    config = yatt_ray.load_config(
-        REPO / "examples/configs/grpo.yaml",
-        [f"model.path={demo.model.path}", f"data.train_files=[{demo.data.train_files[0]}]", "data.eval_files=[]",
-         f"output.dir={out}", "output.progress=false", "output.tensorboard=false", "output.plot=false",
-         f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "rollout.n=2", "train.dp_size=2",
-         "rollout.engine=hf", "placement.mode=disaggregated", "placement.rollout_engines=2",
-         "cluster.use_gpu=true", "cluster.cpus_per_worker=1",
-         f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", *overrides],
-    )  # fmt: skip
-    return yatt_ray.fit(config)
-
-
-def train_steps(result) -> list[int]:
-    return [int(r["step"]) for r in result.history if "reward_mean" in r]
+def pooled_run(ckpt_dir, out, steps: int, *overrides: str):
+    return short_run(ckpt_dir, out, steps, *ENGINES, *overrides)
 
 
 def test_engine_actors_survive_kills_and_resumes_with_each_prompt_once(ray_cluster, demo_cache, tmp_path):

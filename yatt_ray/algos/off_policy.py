@@ -98,10 +98,11 @@ def _check_band(low: float, high: float) -> None:
         )
 
 
-def _check_cap(cap: float | None, mode: str) -> float:
+def _check_cap(cap: float | None) -> float:
     if cap is None or not cap > 0:
         raise ValueError(
-            f"off-policy correction {mode!r} needs a cap > 0 (algo.tis_cap), got {cap}; the usual is 2"
+            f"off-policy corrections 'tis' and 'decoupled' need a cap > 0 (algo.tis_cap), got {cap}; the usual "
+            "is 2"
         )
     return cap
 
@@ -119,8 +120,11 @@ def importance_ratio(old_logp: Tensor, rollout_logp: Tensor) -> Tensor:
     return torch.exp(log_ratio.clamp(-TIS_LOG_RATIO_CLAMP, TIS_LOG_RATIO_CLAMP))
 
 
-def _in_band(ratio: Tensor, low: float, high: float) -> Tensor:
-    return (ratio >= low) & (ratio <= high)
+def _band(old_logp: Tensor, rollout_logp: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """(rho, whether rho lies in [low, high]), each [B, T]."""
+    _check_band(low, high)
+    ratio = importance_ratio(old_logp, rollout_logp)
+    return ratio, (ratio >= low) & (ratio <= high)
 
 
 @OFF_POLICY_CORRECTIONS.register("none")
@@ -135,12 +139,15 @@ def _none(
 
 
 @OFF_POLICY_CORRECTIONS.register("tis")
-def _tis(
+@OFF_POLICY_CORRECTIONS.register("decoupled")
+def _truncated(
     old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float | None, low: float, high: float
 ) -> tuple[Tensor, Tensor]:
-    """Truncated importance sampling: w = min(rho, cap) (the same weight as `tis_weights`); nothing masked."""
+    """Truncated importance sampling, w = min(rho, cap) (the same weight as `tis_weights`); nothing masked.
+    Also decoupled PPO's behaviour weight: its PPO ratio is taken against old_logp (the proximal policy), as
+    the trainer always does."""
     del low, high
-    return tis_weights(old_logp, rollout_logp, _check_cap(cap, "tis")), mask.bool()
+    return tis_weights(old_logp, rollout_logp, _check_cap(cap)), mask.bool()
 
 
 @OFF_POLICY_CORRECTIONS.register("mis")
@@ -149,9 +156,7 @@ def _mis(
 ) -> tuple[Tensor, Tensor]:
     """Masked importance sampling: w = rho inside [low, high], 0 outside (those tokens masked)."""
     del cap
-    _check_band(low, high)
-    ratio = importance_ratio(old_logp, rollout_logp)
-    inside = _in_band(ratio, low, high)
+    ratio, inside = _band(old_logp, rollout_logp, low, high)
     weights = torch.where(inside, ratio, torch.zeros((), dtype=ratio.dtype, device=ratio.device))
     return weights, mask.bool() & inside
 
@@ -162,19 +167,8 @@ def _icepop(
 ) -> tuple[Tensor, Tensor]:
     """Band mask: w = 1 inside [low, high], 0 outside (those tokens masked); no reweighting."""
     del cap
-    _check_band(low, high)
-    ratio = importance_ratio(old_logp, rollout_logp)
-    inside = _in_band(ratio, low, high)
+    ratio, inside = _band(old_logp, rollout_logp, low, high)
     return inside.to(ratio.dtype), mask.bool() & inside
-
-
-@OFF_POLICY_CORRECTIONS.register("decoupled")
-def _decoupled(
-    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float | None, low: float, high: float
-) -> tuple[Tensor, Tensor]:
-    """Decoupled PPO's behaviour weight: w = min(rho, cap), PPO's ratio taken against old_logp (proximal)."""
-    del low, high
-    return tis_weights(old_logp, rollout_logp, _check_cap(cap, "decoupled")), mask.bool()
 
 
 def importance_weight_stats(

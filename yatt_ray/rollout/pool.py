@@ -185,7 +185,7 @@ def start_engine_pool(
     gpus = resources.get("GPU", 0.0)
     actor = ray.remote(EngineActor).options(
         num_cpus=resources.get("CPU", 1.0), num_gpus=gpus, max_restarts=-1, max_task_retries=0,
-        max_concurrency=4,
+        max_concurrency=32,  # requests waiting for a push's version must leave a thread for the push
     )  # fmt: skip
     engines: list[Any] = [
         actor.remote(kind, model_dir, threads, {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i})
