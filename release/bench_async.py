@@ -18,6 +18,8 @@ Figures, medians over the measured steps:
   - bound = (rollout + rest) / max(rollout, rest) from the eta=0 run's phases (rest = step - rollout): what
     overlapping the two phases perfectly would give over eta=0;
   - ratio_etaK = tokens/s(eta=K) / tokens/s(eta=0), vs_colocated_eta2 = tokens/s(eta=2) / tokens/s(colocated);
+  - versions a sample: the mean number of weight versions a sample's tokens came from (> 1 where a push
+    arrived while it was generating and it continued under the new weights);
   - reward after the same number of trained samples: reward_mean over the last 4 steps of each run;
     reward_gap_eta2 = |reward(eta=2) - reward(colocated)|.
 Last line:
@@ -77,15 +79,17 @@ def main(argv: list[str]) -> None:
     tps = {name: median(rs, "response_tokens_per_s") for name, rs in rows.items()}
     reward = {name: statistics.fmean(r["reward_mean"] for r in rs[-4:]) for name, rs in rows.items()}
     print(
-        "\n| run | completion tok/s | step s | trainer waits for samples s (share) | staleness max | reward |"
+        "\n| run | completion tok/s | step s | trainer waits for samples s (share) | staleness max | versions "
+        "a sample | reward |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, rs in rows.items():
         wait, step = median(rs, "time/rollout"), median(rs, "time/step")
         stale = max((r.get("async/staleness_max", 0.0) for r in rs), default=0.0)
+        versions = statistics.fmean(r.get("async/versions_per_sample_mean", 1.0) for r in rs)
         print(
             f"| {name} | {tps[name]:.1f} | {step:.2f} | {wait:.2f} ({wait / step:.2f}) | {stale:.0f} | "
-            f"{reward[name]:.3f} |"
+            f"{versions:.2f} | {reward[name]:.3f} |"
         )
     base = rows["eta=0"]
     rollout, rest = median(base, "time/rollout"), median(base, "time/step") - median(base, "time/rollout")

@@ -643,7 +643,10 @@ def report(fresh: dict[str, RunResult], main_runs: dict[str, RunResult | None]) 
         if trl is not None and r is not trl:
             print(f"  prompts vs TRL: {same_prompts(trl, r)}")
     print("\n" + table(shown) + "\n")
-    print(f"vs_trl: ratio_dp1={ratio(trl, runs.get('dp1'))} ratio_dp2={ratio(trl, runs.get('dp2'))}")
+    others = " ".join(f"{n}={ratio(trl, runs[n])}" for n in order if n not in ("trl", "dp1", "dp2"))
+    print(
+        f"vs_trl: ratio_dp1={ratio(trl, runs.get('dp1'))} ratio_dp2={ratio(trl, runs.get('dp2'))} {others}".rstrip()
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt_ray.algos import ADVANTAGE_ESTIMATORS
+from yatt_ray.algos import ADVANTAGE_ESTIMATORS, staleness_stats
 from yatt_ray.batch import Pixels, RolloutBatch, pack, prompt_images
 from yatt_ray.config import Config
 from yatt_ray.data.images import ERROR as IMAGE_ERROR
@@ -207,8 +207,36 @@ class RolloutCollector:
             "async/staleness_max": float(max(ages, default=0)),
             "async/aged_out": float(len(aged)),
             "async/inflight_steps": float(len(self.inflight)),
+            **self._version_counters(outs, ages),
         })  # fmt: skip
         return batch
+
+    def _version_counters(self, outs: list[list], ages: list[int]) -> dict[str, float]:
+        """Per sample, from the version of each of its tokens (`Completion.versions`; the prompt's start
+        version where an engine does not label tokens): the staleness histogram of samples by their oldest
+        token (`async/staleness_hist_<s>`, s = 0 .. eta, summed over controllers) and the mean number of
+        weight versions a sample's tokens came from (`async/versions_per_sample_mean`; > 1 where new
+        weights arrived while it was generating)."""
+        eta = self.config.rollout.max_staleness
+        rows = [
+            [age] * len(c.token_ids)
+            if c.versions is None
+            else [max(self.engine.age(v), 0) for v in c.versions]
+            for completions, age in zip(outs, ages)
+            for c in completions
+        ]
+        width = max((len(r) for r in rows), default=0)
+        token_ages = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width)
+        for i, r in enumerate(rows):
+            token_ages[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1.0
+        now = int(token_ages.max()) if rows else 0  # versions as `now - age`: only differences matter
+        stats = staleness_stats(now - token_ages, now, mask, bins=eta + 1)
+        counters = {
+            f"async/staleness_hist_{s}": float(v) for s, v in enumerate(stats["staleness_hist"].tolist())
+        }
+        counters["async/versions_per_sample_mean"] = float(stats["distinct_versions_mean"])
+        return counters
 
     def _batch(self, step: int, groups: list[Group]) -> RolloutBatch:
         """The step's scored batch of `groups` (with ReMax's greedy baseline) and the counters every step

@@ -327,7 +327,7 @@ def perf_metrics(
 
 
 def _reduce_counters(counters: dict[str, float], is_controller: bool) -> dict[str, float]:
-    """Controllers' counters: counts summed over groups, memory figures and `async/staleness_mean` averaged
+    """Controllers' counters: counts summed over groups, memory figures and the async means averaged
     per controller, `*_max` figures the largest. Every controller holds the same keys (they follow from the
     config)."""
     keys = sorted(counters)
@@ -338,7 +338,7 @@ def _reduce_counters(counters: dict[str, float], is_controller: bool) -> dict[st
     if any(k.endswith("_max") for k in keys):
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     controllers = max(total[-1].item(), 1.0)
-    averaged = ("memory/", "async/staleness_mean")
+    averaged = ("memory/", "async/staleness_mean", "async/versions_per_sample_mean")
     return {
         k: largest[i].item() if k.endswith("_max") else v / controllers if k.startswith(averaged) else v
         for i, (k, v) in enumerate(zip(keys, total[:-1].tolist()))

@@ -43,6 +43,11 @@ def test_engine_actors_survive_kills_and_resumes_with_each_prompt_once(ray_clust
     staleness = first.metric("async/staleness_max")
     assert max(staleness) <= 2 and max(staleness) >= 1, staleness
     assert sum(first.metric("async/aged_out")) == 0
+    # the samples' staleness histogram counts each step's samples once; a push applied while a request ran
+    # makes its unfinished samples span two versions (counted; at least one version each)
+    hist = [first.metric(f"async/staleness_hist_{s}") for s in range(3)]
+    assert len({sum(step) for step in zip(*hist)}) == 1 and sum(hist[0]) + sum(hist[1]) + sum(hist[2]) > 0
+    assert all(v >= 1 for v in first.metric("async/versions_per_sample_mean"))
     assert all(t > 0 for t in first.metric("time/weight_sync"))
     # every step's prompts went out once, each controller's 4 over both engines (sent ahead, in earlier steps)
     assert sum(first.metric("rollout/engine_requests")) >= 4 * 6

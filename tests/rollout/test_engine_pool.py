@@ -6,6 +6,7 @@ controller."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import ray
@@ -131,3 +132,28 @@ def test_sampling_follows_the_pools_saved_stream(engines, hf_models):
     assert next_a != tokens(fresh.generate(GenerateRequest(PROMPTS, spec)))
     with pytest.raises(YattError, match="placement.rollout_engines"):
         c.set_rng_state({"cpu": torch.zeros(1, dtype=torch.uint8), "cuda": None})
+
+
+def test_a_push_during_generation_continues_it_under_the_new_weights(engines, hf_models):
+    """New weights pushed while the engines generate: each completion's first tokens are the old model's, the
+    rest the new model's greedy continuation of prompt + those tokens, and every token says which weights
+    sampled it (interrupted, continued with its prefix kept; the request reports the version it started on)."""
+    old, new = hf_models
+    pool = _pool(engines, old)
+    start = pool.tag
+    spec = SamplingSpec(n=1, max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    before = sum(i["in_flight_pushes"] for i in ray.get([e.info.remote() for e in engines.engines]))
+    generation = pool.submit(GenerateRequest(PROMPTS, spec))
+    deadline = time.monotonic() + 30
+    while not all(i["running"] for i in ray.get([e.info.remote() for e in engines.engines])):
+        assert time.monotonic() < deadline, "the engines never started the request"  # both hold a part
+    _push(pool, new)
+    out = complete(pool.wait(generation))
+    after = sum(i["in_flight_pushes"] for i in ray.get([e.info.remote() for e in engines.engines]))
+    assert after == before + 2 and generation.versions == [start] * len(PROMPTS)
+    for prompt, (c,) in zip(PROMPTS, out):
+        k = c.versions.index(pool.tag)  # the first token of the new weights
+        assert 0 < k < 60 and c.versions == [start] * k + [pool.tag] * (60 - k)
+        head = reference_greedy(old, prompt, k, stop_ids=())
+        assert c.token_ids == head + reference_greedy(new, prompt + head, 60 - k, stop_ids=())
+    _push(pool, old)

@@ -233,3 +233,54 @@ def test_a_restored_sampling_stream_samples_what_the_uninterrupted_one_does(mode
     finally:
         first.close()
         resumed.close()
+
+
+def test_new_weights_in_flight_continue_each_completion_with_its_prefix(engine, hf_models, ref, old_weights):
+    """Weights swapped after the 3rd token: each greedy completion is the old model's first 3 tokens, then
+    the new model's greedy continuation of prompt + those tokens; log-probs and version labels follow."""
+    old, new = hf_models
+    swaps: list[int] = []
+
+    def refresh():
+        swaps.append(1)
+        if len(swaps) != 3:  # asked before each decode forward: the 3rd ask follows the 3rd token
+            return None
+        engine.load_weights(new.state_dict().items())
+        engine.finish_weight_sync()
+        return "v1"
+
+    spec = SamplingSpec(n=2, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(GenerateRequest(ref.prompts, spec), refresh=refresh, version="v0")
+    for prompt, group in zip(ref.prompts, outs):
+        head = ref.greedy(old, prompt, 3, stop_ids=())
+        expected = head + ref.greedy(new, prompt + head, 5, stop_ids=())
+        for c in group:
+            assert c.token_ids == expected
+            assert c.versions == ["v0"] * 3 + ["v1"] * 5
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs[3:]),
+                ref.logprobs(new, prompt + head, c.token_ids[3:]),
+                atol=1e-4,
+                rtol=0,
+            )
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs[:3]), ref.logprobs(old, prompt, head), atol=1e-4, rtol=0
+            )
+
+
+def test_each_prompt_is_prefilled_once_and_finished_rows_leave(engine, ref, old_weights):
+    """The model runs sum_p |p| + sum_rows (|completion| - 1) token positions, not n x each prompt plus
+    every row until the longest is done (transformers' generate)."""
+    positions: list[int] = []
+    hook = engine._model.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: positions.append(args[0].numel())
+    )
+    try:
+        spec = SamplingSpec(n=4, max_new_tokens=6, seed=0, stop_token_ids=tuple(range(40, 104)))
+        outs = engine.generate(GenerateRequest(ref.prompts, spec))
+    finally:
+        hook.remove()
+    width = max(len(p) for p in ref.prompts)
+    completions = [c for group in outs for c in group]
+    assert any(len(c.token_ids) < 6 for c in completions) and any(len(c.token_ids) > 1 for c in completions)
+    assert sum(positions) == len(ref.prompts) * width + sum(len(c.token_ids) - 1 for c in completions)

@@ -333,6 +333,21 @@ def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_st
     pool.version = 1  # the trainer's weights moved on while step 2 generated
     second = collector.collect(2)
     assert first.counters["async/staleness_max"] == 0 and second.counters["async/staleness_max"] == 1
+    assert (
+        second.counters["async/staleness_hist_1"] == 4 * N_SAMPLES == first.counters["async/staleness_hist_0"]
+    )
+    assert (
+        second.counters["async/staleness_hist_0"] == 0
+        and second.counters["async/versions_per_sample_mean"] == 1
+    )
+    # per-token versions (weights that arrived while a sample generated): a sample's staleness is its oldest
+    # token's, and the number of versions it spans is counted
+    mixed = [Completion([5, 6, 7], [0.0] * 3, "stop", [1, 1, 3]), Completion([5], [0.0], "stop", [3])]
+    pool.version = 3
+    counters = collector._version_counters([mixed, [Completion([5, 6], [0.0] * 2, "stop")]], [2, 1])
+    assert [counters[f"async/staleness_hist_{s}"] for s in (0, 1)] == [1, 2]  # ages 2 (bin >= 1), 0; 1
+    assert counters["async/versions_per_sample_mean"] == pytest.approx((2 + 1 + 1) / 3)
+    pool.version = 1
     assert [r.id for r in collector.step_rows] == [4, 5, 6, 7] and not feed.lent
     collector.start(3)
     pool.version = 3  # two versions on: step 3's samples are too old for max_staleness=1

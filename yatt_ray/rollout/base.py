@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -124,11 +124,15 @@ class Completion:
       length as `token_ids`.
     - `finish_reason`: "stop" (EOS or a `stop_token_ids` entry was generated) or "length"
       (`max_new_tokens`, or the engine's maximum model length, was reached).
+    - `versions[i]`: the label of the weights that sampled `token_ids[i]`, where the engine tracks it (engine
+      actors: their weight version, which can change within a completion when new weights arrive in flight);
+      None where one set of weights produced the whole call.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason = field(default="length")
+    versions: list[Any] | None = None
 
 
 OnFinished = Callable[[int, list[Completion]], None]  # (prompt index, its completions)

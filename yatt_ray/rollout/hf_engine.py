@@ -53,6 +53,7 @@ from yatt_ray.rollout.base import (
     read_eos_token_ids,
     validate_prompts,
 )
+from yatt_ray.rollout.decode import sample_groups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -152,9 +153,18 @@ class HFEngine:
         self._closed = False
         self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
 
+    @property
+    def in_flight_updates(self) -> bool:
+        """Whether `generate` takes new weights between decode steps (`refresh`): text models."""
+        return self.image_token_id is None
+
     # ------------------------------------------------------------------ generation
     def generate(
-        self, request: GenerateRequest, on_finished: OnFinished | None = None
+        self,
+        request: GenerateRequest,
+        on_finished: OnFinished | None = None,
+        refresh: Callable[[], Any] | None = None,
+        version: Any = None,
     ) -> list[list[Completion] | None]:
         """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done.
 
@@ -171,6 +181,10 @@ class HFEngine:
           (`image_grid_thw`: t, h, w in patches); image k is one run of exactly t*h*w / `merge`^2 image
           tokens (`<|image_pad|>`, between `<|vision_start|>` and `<|vision_end|>`).
         A prompt whose image tokens disagree with its images raises DataError naming the prompt.
+
+        `refresh` / `version` (text models only, `in_flight_updates`): new weights taken in flight, between
+        decode steps, each completion's tokens labelled with the weights that sampled them
+        (`decode.sample_groups`); ignored for vision-language models, whose weights change between calls.
         """
         self._check_usable("generate")
         prompts, spec = request.prompts, request.spec
@@ -180,6 +194,10 @@ class HFEngine:
         if self._asleep:
             raise YattError("HFEngine.generate called while asleep: call wake() first")
         self.last_aborted = 0
+        if self.image_token_id is None:  # text models: each prompt prefilled once, finished rows dropped
+            groups = self._sample_text(request, on_finished, refresh, version)
+            self.last_aborted = groups.count(None)
+            return groups
         n = spec.n
         rows = [prompt for prompt in prompts for _ in range(n)]
         row_images = [pixels for pixels in per_prompt for _ in range(n)]
@@ -206,6 +224,46 @@ class HFEngine:
                     if on_finished is not None:
                         on_finished(i, group)
         self.last_aborted = groups.count(None)
+        return groups
+
+    def _sample_text(
+        self, request: GenerateRequest, on_finished: OnFinished | None, refresh: Callable[[], Any] | None,
+        version: Any,
+    ) -> list[list[Completion] | None]:  # fmt: skip
+        """`generate` for a text model through `decode.sample_groups`, in chunks of whole prompts (up to
+        `max_batch_size` rows, at least one prompt), chunk k seeded with `derive_seed(seed, k)`."""
+        prompts, spec, wait_for = request.prompts, request.spec, request.wait_for
+        groups: list[list[Completion] | None] = [None] * len(prompts)
+        per_chunk = max(1, (self._max_batch_size or len(prompts) * spec.n) // spec.n)
+
+        def enough() -> bool:
+            if request.finish_after is None:
+                return False
+            complete = len(groups) - groups.count(None)
+            return complete >= request.finish_after and all(groups[i] is not None for i in wait_for)
+
+        for chunk_index, start in enumerate(range(0, len(prompts), per_chunk)):
+            if enough():
+                break
+
+            def on_group(i: int, group: list[Completion], start: int = start) -> None:
+                groups[start + i] = group
+                if on_finished is not None:
+                    on_finished(start + i, group)
+
+            seed = None if spec.seed is None else derive_seed(spec.seed, chunk_index)
+
+            def tracked() -> Any:
+                nonlocal version
+                label = refresh() if refresh is not None else None
+                version = version if label is None else label
+                return label
+
+            with self._rng.active(seed):
+                sample_groups(
+                    self._model, prompts[start : start + per_chunk], spec, spec.stops(self.eos_token_ids),
+                    self._pad_id, on_group, enough, None if refresh is None else tracked, version,
+                )  # fmt: skip
         return groups
 
     def _generate_batch(

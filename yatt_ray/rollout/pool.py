@@ -67,6 +67,9 @@ class EngineActor:
         self.group: Any = None
         self.store: Any = None
         self.staged: list[Bucket] = []  # buckets received through the broadcast group, not applied yet
+        self.pending: tuple[Tag, list[Bucket]] | None = None  # a push that came while a request ran
+        self.running = False  # a request holds the engine
+        self.in_flight_pushes = 0  # pushes applied between the decode steps of a running request
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -75,36 +78,68 @@ class EngineActor:
             "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),  # a new one after a restart
             "version": self.version,
+            "in_flight_pushes": self.in_flight_pushes,
+            "running": self.running,
             "takes_image_features": bool(getattr(self.engine, "takes_image_features", False)),
         }
 
     def generate(self, request: GenerateRequest, version: Tag, pid: int) -> tuple[list, int, Tag] | None:
-        """(per prompt its completions or None if aborted, aborted count, the weight version that generated
+        """(per prompt its completions or None if aborted, aborted count, the weight version that started
         them). None when this is not the process `pid` the caller knew (restarted: it holds the model
         directory's weights): the caller pushes them or goes elsewhere. Otherwise it waits until it holds
         weights of `version` or newer (a push may still be on its way); a newer version is fine, and is
-        reported (asynchronous rollout)."""
+        reported (asynchronous rollout). One request runs at a time. An engine that takes weights in flight
+        (`in_flight_updates`: the HF engine on a text model) applies a push that arrives meanwhile between
+        two decode steps, and the request's unfinished completions continue under it (each token's version
+        in `Completion.versions`); other engines apply it when the request ends."""
         if pid != os.getpid():
             return None
         with self.ready:
-            if not self.ready.wait_for(lambda: self.version >= version, GROUP_TIMEOUT.total_seconds()):
+            if not self.ready.wait_for(
+                lambda: not self.running and self.version >= version, GROUP_TIMEOUT.total_seconds()
+            ):
                 raise YattError(
                     f"rollout engine: weights of version {version} never arrived (holds {self.version})"
                 )
-            out = self.engine.generate(request)
-            return out, int(self.engine.last_aborted), self.version
+            self.running, start = True, self.version
+        try:
+            if getattr(self.engine, "in_flight_updates", False):
+                out = self.engine.generate(request, refresh=self._take_pending, version=start)
+            else:
+                out = self.engine.generate(request)
+            return out, int(self.engine.last_aborted), start
+        finally:
+            with self.ready:
+                self.running = False
+                self._take_pending()
+                self.ready.notify_all()
 
     def apply(self, version: Tag, *buckets: Bucket) -> None:
-        """Every bucket of weight `version`, then the version; older than what it holds: skipped (pushes are
-        sent without waiting, so two may arrive out of order)."""
+        """Every bucket of weight `version`, then the version: at once when no request runs, else kept until
+        the running request reaches a decode step boundary (or its end). Older than what it holds or keeps:
+        skipped (pushes are sent without waiting, so two may arrive out of order)."""
         with self.ready:
-            if version <= self.version:
+            newest = self.version if self.pending is None else max(self.version, self.pending[0])
+            if version <= newest:
                 return
+            self.pending = (version, list(buckets))
+            if not self.running:
+                self._take_pending()
+
+    def _take_pending(self) -> Tag | None:
+        """Load the kept push, if any (the caller holds the engine: no request runs, or between two of its
+        decode steps); return its version, or None."""
+        with self.ready:
+            if self.pending is None:
+                return None
+            (version, buckets), self.pending = self.pending, None
             for bucket in buckets:
                 self.engine.load_weights(bucket)
             self.engine.finish_weight_sync()
             self.version = version
+            self.in_flight_pushes += int(self.running)
             self.ready.notify_all()
+            return version
 
     def finish_weight_sync(self, version: Tag) -> None:
         """The end of a push through the broadcast group: the buckets `receive` staged, applied at once (a
