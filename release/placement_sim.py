@@ -632,6 +632,211 @@ def check_share_bounds(bounds: tuple[float, float]) -> None:
         raise ValueError(f"share bounds {lo:g}..{hi:g}: need 0 <= --share-min <= --share-max < 1")
 
 
+# ---------------------------------------------------------------------------------------------------- asynchronous
+
+
+DEFAULT_ASYNC_ETAS = (0, 1, 2, 4, 8)
+DEFAULT_ASYNC_DEVICES = (64, 256, 1024)
+DEFAULT_ASYNC_SIGMA = 0.6
+AREAL = {1: 2.09, 2: 2.77}  # AReaL (arXiv 2505.24298): throughput over synchronous at max staleness eta
+SATURATION = 0.98  # saturates_at_eta: the least eta reaching this fraction of the best ratio over the etas
+
+
+def step_lengths(costs: Costs, n: int, sigma: float, scaling: str, seed: int, steps: int) -> list[np.ndarray]:
+    """Response lengths of `steps` training steps at N = n, step s from the stream (seed, s) as in run_grid."""
+    m = costs.samples(n, scaling)
+    rngs = [np.random.default_rng([seed, s]) for s in range(steps)]
+    return [response_lengths(rng.standard_normal(m), costs, sigma) for rng in rngs]
+
+
+def train_seconds(lengths: np.ndarray, devices: int, costs: Costs) -> float:
+    """Log-probs + train of one step on `devices` trainer devices, no offload: tokens (logprob + train s/token) / D,
+    tokens = sum(L) + M prompt_len."""
+    tokens = float(lengths.sum()) + lengths.size * costs.prompt_len
+    return tokens * (costs.logprob_s_per_token + costs.train_s_per_token) / devices
+
+
+def sync_colocated_ends(draws: list[np.ndarray], n: int, costs: Costs) -> np.ndarray:
+    """Synchronous, colocated on N: T_s = sum_{r <= s} [T_gen(N) + trainer_switch + T_train(N) + weight_sync]."""
+    steps = [
+        simulate_generation(lengths, n, costs).time
+        + _train_phase(float(lengths.sum()) + lengths.size * costs.prompt_len, n, costs)
+        for lengths in draws
+    ]
+    return np.cumsum(steps)
+
+
+def sync_disaggregated_ends(draws: list[np.ndarray], generators: int, n: int, costs: Costs) -> np.ndarray:
+    """Synchronous, G = `generators` engines and N - G trainers: T_s = sum_{r <= s} [T_gen(G) + T_train(N - G)
+    + push (r >= 1)], push = weight_sync_s: batch r >= 1 waits for the weights trained on batch r - 1."""
+    steps = np.array(
+        [simulate_generation(lengths, generators, costs).time + train_seconds(lengths, n - generators, costs)
+         for lengths in draws]
+    )  # fmt: skip
+    steps[1:] += costs.weight_sync_s
+    return np.cumsum(steps)
+
+
+def _deal(draws: list[np.ndarray], generators: int) -> tuple[np.ndarray, np.ndarray]:
+    """Round robin: queue[s, d, i] = length of sample i G + d of step s (0 = padding); counts[s, d] real samples."""
+    m = max(-(-lengths.size // generators) for lengths in draws)
+    queue = np.zeros((len(draws), generators, m))
+    counts = np.zeros((len(draws), generators))
+    for s, lengths in enumerate(draws):
+        padded = np.zeros(m * generators)
+        padded[: lengths.size] = lengths
+        queue[s] = padded.reshape(m, generators).T
+        counts[s] = (queue[s] > 0).sum(axis=1)  # every real response has at least 1 token
+    return queue, counts
+
+
+class _Engines:
+    """Working state of G generator devices in iteration space (private to simulate_async, which is pure).
+
+    Per device: `free` the end iteration of each of the B slots' last sequence, `owner` its step (-1 once its
+    finish time is recorded, or for padding), `e` the iteration of the last admission, `w` the wall time there
+    after the pauses charged at it, `w_pre` before them (when the sequences ending at e finish), `done[d, s]` the
+    latest recorded finish of step s."""
+
+    def __init__(self, generators: int, steps: int, costs: Costs) -> None:
+        b = costs.max_batch
+        self.t0, self.t1 = costs.decode_constants()
+        self.full = self.t0 + self.t1 * b  # one iteration of a full batch
+        self.free = np.zeros((generators, b))
+        self.owner = np.full((generators, b), -1)
+        self.e, self.w, self.w_pre = np.zeros(generators), np.zeros(generators), np.zeros(generators)
+        self.done = np.full((generators, steps), -np.inf)
+        self.rows = np.arange(generators)
+
+    def _candidate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(slot, c, W(c), W_pre(c)): the slot that frees first, the next admission iteration c = max(its end, e)
+        and the wall time there. Before c every slot is busy (c is the earliest end), so the batch is full:
+        W(c) = w + (t0 + t1 B)(c - e)."""
+        slot = self.free.argmin(axis=1)
+        c = np.maximum(self.free[self.rows, slot], self.e)
+        w_c = self.w + self.full * (c - self.e)
+        return slot, c, w_c, np.where(c > self.e, w_c, self.w_pre)
+
+    def _admit(self, slot, c, w_c, w_pre, lengths, step: int) -> None:
+        """Record the slot's previous occupant (it ended at c: finish W_pre(c)) and start `lengths` there at c."""
+        rows, old = self.rows, self.owner[self.rows, slot]
+        hit = old >= 0
+        self.done[rows[hit], old[hit]] = np.maximum(self.done[rows[hit], old[hit]], w_pre[hit])
+        self.free[rows, slot] = c + lengths
+        self.owner[rows, slot] = np.where(lengths > 0, step, -1)
+        self.e, self.w, self.w_pre = c, w_c, w_pre
+
+    def admit(self, lengths: np.ndarray, step: int) -> None:
+        """The next queued sequence of every device (not the first of its batch: its gate is open)."""
+        self._admit(*self._candidate(), lengths, step)
+
+    def take_up(self, lengths: np.ndarray, step: int, pause: np.ndarray, gate: float) -> None:
+        """The first sequence of batch `step`: not before wall time `gate`; a device whose slot frees before it
+        decodes what it holds until then (_drain) or idles. Then it pauses `pause` (push + prefill), admits."""
+        slot, c, w_c, w_pre = self._candidate()
+        waits = w_c < gate
+        if waits.any():
+            c[waits], w_c[waits], w_pre[waits] = self._drain(waits, c[waits], w_c[waits], w_pre[waits], gate)
+            slot = self.free.argmin(axis=1)  # still free at the new c
+        self._admit(slot, c, w_c + pause, w_pre, lengths, step)
+
+    def _knots(self, free: np.ndarray, c: np.ndarray, w_c: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Decoding from iteration c with no admission: W(c + x) = W(c) + t0 x + t1 sum_j min(d_j, x), d_j =
+        max(end_j - c, 0). Returns (order, d sorted, W at each d) per device."""
+        order = np.argsort(free, axis=1)
+        d = np.maximum(np.take_along_axis(free, order, axis=1) - c[:, None], 0.0)
+        b = d.shape[1]
+        tokens = np.cumsum(d, axis=1) - d + (b - np.arange(b)) * d  # sum_j min(d_j, d_k)
+        return order, d, w_c[:, None] + self.t0 * d + self.t1 * tokens
+
+    def _drain(self, rows: np.ndarray, c, w_c, w_pre, gate: float) -> tuple[np.ndarray, ...]:
+        """Devices `rows` decode their active sequences from c until the first iteration e* with W(e*) >= gate
+        (between knots d_{k-1} < x <= d_k the batch holds B - k sequences: slope t0 + t1 (B - k)); if all end
+        before, e* = the last end and W(e*) = gate (idle). Records the finishes up to e*. Returns (e*, W, W_pre)."""
+        order, d, w = self._knots(self.free[rows], c, w_c)
+        b = d.shape[1]
+        reach = w >= gate
+        hit, k = reach.any(axis=1), np.maximum(reach.argmax(axis=1), 1)
+        i = np.arange(k.size)
+        x0, w0 = d[i, k - 1], w[i, k - 1]
+        x = np.minimum(np.ceil(x0 + (gate - w0) / (self.t0 + self.t1 * (b - k)) - 1e-9), d[i, k])
+        w_x = w0 + (self.t0 + self.t1 * (b - k)) * (x - x0)
+        e_star = c + np.where(hit, x, d[:, -1])
+        owners = np.take_along_axis(self.owner[rows], order, axis=1)
+        ended = (owners >= 0) & (d <= e_star[:, None] - c[:, None])
+        finish = np.where(d > 0, w, w_pre[:, None])  # d = 0: ended at c, before the pauses charged there
+        r = np.nonzero(rows)[0][:, None].repeat(b, axis=1)
+        np.maximum.at(self.done, (r[ended], owners[ended]), finish[ended])
+        back = np.argsort(order, axis=1)  # sorted position of each slot
+        self.owner[rows] = np.take_along_axis(np.where(ended, -1, owners), back, axis=1)
+        return e_star, np.where(hit, w_x, gate), np.where(hit, w_x, w[:, -1])
+
+    def finish(self, step: int) -> float:
+        """C_step: the latest finish of `step`'s samples on any device; those still decoding finish as if no more
+        sequence were admitted (exact when called before the next batch's gate: see the module docstring)."""
+        order, d, w = self._knots(self.free, self.e, self.w)
+        owners = np.take_along_axis(self.owner, order, axis=1)
+        live = np.where(d > 0, w, self.w_pre[:, None])
+        pending = np.where(owners == step, live, -np.inf).max(initial=-np.inf)
+        return float(max(self.done[:, step].max(), pending))
+
+
+def simulate_async(draws: list[np.ndarray], generators: int, n: int, eta: int, costs: Costs) -> np.ndarray:
+    """Asynchronous rollout with staleness bound eta on G = `generators` engines and N - G trainers: returns T_s,
+    when the trainer has trained step s (see the module docstring for the model)."""
+    steps = len(draws)
+    queue, counts = _deal(draws, generators)
+    pause = counts * costs.prompt_len / costs.prefill_tps
+    pause[eta + 1 :] += costs.weight_sync_s  # batches after the first eta + 1 start on pushed weights
+    train = [train_seconds(lengths, n - generators, costs) for lengths in draws]
+    engines = _Engines(generators, steps, costs)
+    ends, trainer_free = np.full(steps, np.nan), 0.0
+
+    def close(s: int) -> None:  # T_s = max(C_s, T_{s-1} + push) + T_train(N - G)
+        nonlocal trainer_free
+        ends[s] = max(engines.finish(s), trainer_free) + train[s]
+        trainer_free = ends[s] + costs.weight_sync_s
+
+    for s in range(steps):
+        if s > eta:
+            close(s - eta - 1)
+        engines.take_up(queue[s, :, 0], s, pause[s], float(ends[s - eta - 1]) if s > eta else 0.0)
+        for i in range(1, queue.shape[2]):
+            engines.admit(queue[s, :, i], s)
+    for s in range(max(steps - eta - 1, 0), steps):
+        close(s)
+    return ends
+
+
+def steady_throughput(ends: np.ndarray, draws: list[np.ndarray]) -> float:
+    """Trained response tokens per second over the second half of the steps: sum_{s >= h} sum(L_s) /
+    (T_{S-1} - T_{h-1}), h = S // 2 (the first half fills the pipeline)."""
+    h = len(ends) // 2
+    return float(sum(lengths.sum() for lengths in draws[h:]) / (ends[-1] - ends[h - 1]))
+
+
+def search_split(n: int, evaluate: Callable[[int], float]) -> tuple[int, float]:
+    """The generator count G in 1..N-1 with the highest throughput: G on a grid of step N / 8, then the step
+    halved around the best G (its two neighbours at each step) down to max(N / 64, 1). Returns (G, throughput)."""
+    tried: dict[int, float] = {}
+
+    def ev(g: int) -> None:
+        g = min(max(g, 1), n - 1)
+        if g not in tried:
+            tried[g] = evaluate(g)
+
+    step = max(n // 8, 1)
+    for g in range(step, n, step):
+        ev(g)
+    while step > max(n // 64, 1):
+        step = max(step // 2, 1)
+        best = max(tried, key=lambda g: (tried[g], -g))
+        ev(best - step)
+        ev(best + step)
+    best = max(tried, key=lambda g: (tried[g], -g))
+    return best, tried[best]
+
+
 # ---------------------------------------------------------------------------------------------------- cost inputs
 
 

@@ -239,18 +239,21 @@ def test_new_weights_in_flight_continue_each_completion_with_its_prefix(engine, 
     """Weights swapped after the 3rd token: each greedy completion is the old model's first 3 tokens, then
     the new model's greedy continuation of prompt + those tokens; log-probs and version labels follow."""
     old, new = hf_models
-    swaps: list[int] = []
 
-    def refresh():
-        swaps.append(1)
-        if len(swaps) != 3:  # asked before each decode forward: the 3rd ask follows the 3rd token
-            return None
-        engine.load_weights(new.state_dict().items())
-        engine.finish_weight_sync()
-        return "v1"
+    class Updates:  # new weights become ready after the 3rd token (asked before each decode forward)
+        asked = 0
+
+        def ready(self) -> bool:
+            self.asked += 1
+            return self.asked == 3
+
+        def take(self) -> str:
+            engine.load_weights(new.state_dict().items())
+            engine.finish_weight_sync()
+            return "v1"
 
     spec = SamplingSpec(n=2, max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(GenerateRequest(ref.prompts, spec), refresh=refresh, version="v0")
+    outs = engine.generate(GenerateRequest(ref.prompts, spec), updates=Updates(), version="v0")
     for prompt, group in zip(ref.prompts, outs):
         head = ref.greedy(old, prompt, 3, stop_ids=())
         expected = head + ref.greedy(new, prompt + head, 5, stop_ids=())

@@ -276,3 +276,65 @@ def test_the_kernel_rebinding_scan_covers_vllms_modules_and_no_others(monkeypatc
     dispatcher._rebind_kernels([(kernel, wrapper)])
     assert inside.copy is wrapper and outside.copy is kernel
     assert dispatcher.sys is sys
+
+
+class SwapAfter:
+    """In-flight weight updates for a test: `new`'s weights become ready at the `at`-th engine step."""
+
+    def __init__(self, engine, new_state, at: int) -> None:
+        self.engine, self.state, self.at, self.asked = engine, new_state, at, 0
+
+    def ready(self) -> bool:
+        self.asked += 1
+        return self.asked == self.at
+
+    def take(self) -> str:
+        self.engine.load_weights(self.state.items())
+        self.engine.finish_weight_sync()
+        return "v1"
+
+
+def test_new_weights_in_flight_continue_each_completion_with_its_prefix(engine, hf_models, ref, old_weights):
+    """Weights swapped during generation: each greedy completion is the old model's first k tokens, then the
+    new model's greedy continuation of prompt + those tokens (k the same for all: one token a step); log-probs
+    and per-token version labels follow the weights that sampled each token."""
+    old, new = hf_models
+    spec = SamplingSpec(n=1, max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(
+        GenerateRequest(ref.prompts, spec), updates=SwapAfter(engine, new.state_dict(), at=3), version="v0"
+    )
+    for prompt, group in zip(ref.prompts, outs):
+        for c in group:
+            k = c.versions.index("v1")
+            assert 0 < k < 10 and c.versions == ["v0"] * k + ["v1"] * (10 - k)
+            head = ref.greedy(old, prompt, k, stop_ids=())
+            assert c.token_ids == head + ref.greedy(new, prompt + head, 10 - k, stop_ids=())
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs[k:]),
+                ref.logprobs(new, prompt + head, c.token_ids[k:]),
+                atol=1e-4,
+                rtol=0,
+            )
+
+
+def test_in_flight_path_keeps_finish_after_and_streaming(engine, ref, old_weights):
+    """With in-flight updates wired (none arriving), long-tail abort and streaming behave as without them."""
+    spec = SamplingSpec(n=2, max_new_tokens=8, temperature=1.0, seed=5)
+
+    class Never:
+        def ready(self) -> bool:
+            return False
+
+        def take(self):  # pragma: no cover - never ready
+            raise AssertionError
+
+    finished: list[int] = []
+    out = engine.generate(
+        GenerateRequest(ref.prompts, spec, finish_after=2, wait_for=frozenset({3})),
+        on_finished=lambda i, g: finished.append(i), updates=Never(), version=7,
+    )  # fmt: skip
+    done = [i for i, g in enumerate(out) if g is not None]
+    assert len(done) >= 2 and 3 in done and sorted(finished) == done
+    assert engine.last_aborted == len(ref.prompts) - len(done)
+    assert all(c.versions == [7] * len(c.token_ids) for i in done for c in out[i])
+    assert not engine._llm.llm_engine.has_unfinished_requests()  # the stragglers were aborted

@@ -138,6 +138,18 @@ class Completion:
 OnFinished = Callable[[int, list[Completion]], None]  # (prompt index, its completions)
 
 
+class InFlightWeights(Protocol):
+    """New weights an engine may take while a request runs (engine actors hand one to `generate`)."""
+
+    def ready(self) -> bool:
+        """Whether new weights are waiting."""
+        ...
+
+    def take(self) -> Any:
+        """Load the waiting weights into the engine now (no forward runs); return their version label."""
+        ...
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """What to generate: per prompt (token ids, BOS included) `spec.n` completions.

@@ -33,7 +33,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from yatt_ray.rollout.base import Completion, SamplingSpec
+from yatt_ray.rollout.base import Completion, FinishReason, InFlightWeights, SamplingSpec
 
 OnGroup = Callable[[int, list[Completion]], None]  # (prompt index within the call, its n completions)
 
@@ -60,7 +60,7 @@ def next_tokens(
     if spec.greedy:
         tokens = raw.argmax(dim=-1)
     else:
-        scores = warp(None, raw.clone())  # the warpers ignore input_ids
+        scores = warp(None, raw.clone())  # type: ignore[arg-type]  # the warpers ignore input_ids
         tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1)[:, 0]
     logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens, logprobs
@@ -90,20 +90,21 @@ def sample_groups(
     pad_id: int,
     on_group: OnGroup | None = None,
     enough: Callable[[], bool] | None = None,
-    refresh: Callable[[], Any] | None = None,
+    updates: InFlightWeights | None = None,
     version: Any = None,
-) -> list[list[Completion] | None]:
-    """`spec.n` completions of each prompt (see the module docstring) -> one list per prompt, or None for a
-    prompt whose rows were cut short: `enough()`, asked after each prompt completes, ends the loop when true.
+) -> tuple[list[list[Completion] | None], Any]:
+    """`spec.n` completions of each prompt (see the module docstring) -> (one list per prompt, or None for a
+    prompt whose rows were cut short: `enough()`, asked after each prompt completes, ends the loop when true;
+    the label of the weights at the end).
 
     model: a Hugging Face causal LM (forward with attention_mask, position_ids, past_key_values,
     logits_to_keep). `on_group(i, completions)` is called as soon as prompt i's n rows are all finished.
 
-    In-flight weight updates: `refresh()`, asked before each decode forward, returns None, or the label of
-    weights it has just loaded into `model`. Then the live rows continue under the new weights with their
-    prefix kept: prompt + the tokens so far are prefilled again (a fresh KV cache) and the next token is
-    sampled from the new weights' logits. Each completion's `versions` holds, per token, the label of the
-    weights that sampled it (`version` before the first refresh).
+    In-flight weight updates: before each decode forward, when `updates.ready()`, `updates.take()` loads the
+    new weights into `model` and the live rows continue under them with their prefix kept: prompt + the
+    tokens so far are prefilled again (a fresh KV cache) and the next token is sampled from the new weights'
+    logits. Each completion's `versions` holds, per token, the label of the weights that sampled it
+    (`version` until the first update); None without `updates`.
     """
     device = next(model.parameters()).device
     n, stop_set = spec.n, torch.tensor(sorted(set(stops)), dtype=torch.long, device=device)
@@ -135,8 +136,8 @@ def sample_groups(
             rows_versions[row].append(version)
             if not is_done:
                 continue
-            reason = "stop" if is_stop else "length"
-            versions = None if refresh is None else rows_versions[row]
+            reason: FinishReason = "stop" if is_stop else "length"
+            versions = None if updates is None else rows_versions[row]
             finished[row] = Completion(rows_tokens[row], rows_logprobs[row], reason, versions)
             prompt = row // n
             left[prompt] -= 1
@@ -149,9 +150,8 @@ def sample_groups(
             break
         keep = (~done).nonzero()[:, 0]
         live, tokens = live[keep], tokens[keep]
-        label = None if refresh is None else refresh()
-        if label is not None:  # new weights: prompt + prefix again, under them
-            version = label
+        if updates is not None and updates.ready():  # new weights: prompt + prefix again, under them
+            version = updates.take()
             rows = [list(prompts[r // n]) + rows_tokens[r] for r in live.tolist()]
             out, mask, next_position = _prefill(model, rows, pad_id, device)
         else:
@@ -168,4 +168,4 @@ def sample_groups(
             )
             next_position = next_position + 1
         cache, logits = out.past_key_values, out.logits[:, -1]
-    return groups
+    return groups, version

@@ -46,6 +46,7 @@ from yatt_ray.rollout.base import (
     FinishReason,
     GenerateRequest,
     Images,
+    InFlightWeights,
     OnFinished,
     PrivateRng,
     SamplingSpec,
@@ -155,7 +156,7 @@ class HFEngine:
 
     @property
     def in_flight_updates(self) -> bool:
-        """Whether `generate` takes new weights between decode steps (`refresh`): text models."""
+        """Whether `generate` takes new weights between decode steps (`updates`): text models."""
         return self.image_token_id is None
 
     # ------------------------------------------------------------------ generation
@@ -163,7 +164,7 @@ class HFEngine:
         self,
         request: GenerateRequest,
         on_finished: OnFinished | None = None,
-        refresh: Callable[[], Any] | None = None,
+        updates: InFlightWeights | None = None,
         version: Any = None,
     ) -> list[list[Completion] | None]:
         """Batches of up to `max_batch_size` rows; `on_finished` gets each prompt whose samples are done.
@@ -182,7 +183,7 @@ class HFEngine:
           tokens (`<|image_pad|>`, between `<|vision_start|>` and `<|vision_end|>`).
         A prompt whose image tokens disagree with its images raises DataError naming the prompt.
 
-        `refresh` / `version` (text models only, `in_flight_updates`): new weights taken in flight, between
+        `updates` / `version` (text models only, `in_flight_updates`): new weights taken in flight, between
         decode steps, each completion's tokens labelled with the weights that sampled them
         (`decode.sample_groups`); ignored for vision-language models, whose weights change between calls.
         """
@@ -195,9 +196,9 @@ class HFEngine:
             raise YattError("HFEngine.generate called while asleep: call wake() first")
         self.last_aborted = 0
         if self.image_token_id is None:  # text models: each prompt prefilled once, finished rows dropped
-            groups = self._sample_text(request, on_finished, refresh, version)
-            self.last_aborted = groups.count(None)
-            return groups
+            sampled = self._sample_text(request, on_finished, updates, version)
+            self.last_aborted = sampled.count(None)
+            return sampled
         n = spec.n
         rows = [prompt for prompt in prompts for _ in range(n)]
         row_images = [pixels for pixels in per_prompt for _ in range(n)]
@@ -227,7 +228,7 @@ class HFEngine:
         return groups
 
     def _sample_text(
-        self, request: GenerateRequest, on_finished: OnFinished | None, refresh: Callable[[], Any] | None,
+        self, request: GenerateRequest, on_finished: OnFinished | None, updates: InFlightWeights | None,
         version: Any,
     ) -> list[list[Completion] | None]:  # fmt: skip
         """`generate` for a text model through `decode.sample_groups`, in chunks of whole prompts (up to
@@ -253,16 +254,10 @@ class HFEngine:
 
             seed = None if spec.seed is None else derive_seed(spec.seed, chunk_index)
 
-            def tracked() -> Any:
-                nonlocal version
-                label = refresh() if refresh is not None else None
-                version = version if label is None else label
-                return label
-
             with self._rng.active(seed):
-                sample_groups(
+                _, version = sample_groups(
                     self._model, prompts[start : start + per_chunk], spec, spec.stops(self.eos_token_ids),
-                    self._pad_id, on_group, enough, None if refresh is None else tracked, version,
+                    self._pad_id, on_group, enough, updates, version,
                 )  # fmt: skip
         return groups
 

@@ -15,7 +15,9 @@ engine.
   bucket from the node's object store (one `ray.put`, shared memory); engines on other nodes receive it through
   a gloo broadcast group from the pusher (host copies of the weights; an NCCL group between GPUs is not wired
   yet), one flat buffer per dtype a bucket. `rollout.weight_transport` forces either. An engine never shares
-  the trainer's accelerator here (that is the in-process engine's case, where weights move in memory).
+  the trainer's accelerator here (that is the in-process engine's case, where weights move in memory). A push
+  that arrives while a request runs is applied between two of its decode steps (`InFlightWeights`); the
+  request's unfinished samples continue under the new weights, each token labelled with its version.
 - Failures: a restarted engine holds the model directory's weights, so it is stale. A sub-request that meets a
   dead or stale engine is sent again, after this controller pushed the current weights to that engine (when it
   can gather them alone, `train.tp_size=1`) or to another engine. The collector gets every prompt back.
@@ -104,7 +106,10 @@ class EngineActor:
             self.running, start = True, self.version
         try:
             if getattr(self.engine, "in_flight_updates", False):
-                out = self.engine.generate(request, refresh=self._take_pending, version=start)
+                engine: Any = (
+                    self.engine
+                )  # `generate` with `updates` (not part of the RolloutEngine protocol)
+                out = engine.generate(request, updates=_Pending(self), version=start)
             else:
                 out = self.engine.generate(request)
             return out, int(self.engine.last_aborted), start
@@ -160,6 +165,19 @@ class EngineActor:
         for buffer in buffers.values():
             _broadcast(self.group, buffer)
         self.staged.append(list(_unflatten(meta, buffers)))  # applied with the rest by finish_weight_sync
+
+
+@dataclass
+class _Pending:
+    """An engine actor's kept push, as the engine's in-flight weight updates (`rollout.base.InFlightWeights`)."""
+
+    actor: EngineActor
+
+    def ready(self) -> bool:
+        return self.actor.pending is not None
+
+    def take(self) -> Tag | None:
+        return self.actor._take_pending()
 
 
 @dataclass

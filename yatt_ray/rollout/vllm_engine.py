@@ -69,6 +69,7 @@ import os
 import random
 import sys
 import threading
+import typing
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,8 +83,10 @@ from yatt_ray.errors import ConfigError, DataError, YattError
 from yatt_ray.model_dir import read_config
 from yatt_ray.rollout.base import (
     Completion,
+    FinishReason,
     GenerateRequest,
     Images,
+    InFlightWeights,
     OnFinished,
     PrivateRng,
     derive_seed,
@@ -278,8 +281,14 @@ class VLLMEngine:
         return self.image_token_id is not None
 
     # ------------------------------------------------------------------ generation
+    in_flight_updates = True  # `generate` takes new weights between engine steps (`updates`)
+
     def generate(
-        self, request: GenerateRequest, on_finished: OnFinished | None = None
+        self,
+        request: GenerateRequest,
+        on_finished: OnFinished | None = None,
+        updates: InFlightWeights | None = None,
+        version: Any = None,
     ) -> list[list[Completion] | None]:
         """`LLM.generate` for a plain call; step by step (`_generate_streaming`) with `on_finished` or
         `request.finish_after`. Both give the same tokens for the same seeds (vLLM seeds each request).
@@ -289,7 +298,10 @@ class VLLMEngine:
         `MegatronPolicy.image_features`) and `grid` [I_i, 3], or None for a text prompt; prompt i holds each
         image's tokens expanded, as the trainer scores them. The request vLLM gets is `image_request`'s; the
         image token is never sampled (the trainer would put image features at it), and vLLM's expanded prompt
-        is checked to be ours."""
+        is checked to be ours.
+
+        `updates` / `version`: new weights taken in flight (`_generate_in_flight`), each token labelled with
+        the weights that sampled it."""
         from vllm import SamplingParams
 
         self._check_usable("generate")
@@ -322,6 +334,8 @@ class VLLMEngine:
         ]
         self.last_aborted = 0
         with self._rng.active():
+            if updates is not None:
+                return self._generate_in_flight(request, requests, params, on_finished, updates, version)
             if on_finished is None and request.finish_after is None:
                 outputs = self._llm.generate(requests, params, use_tqdm=False)
                 return [_group(out, prompts[i]) for i, out in enumerate(outputs)]
@@ -395,6 +409,73 @@ class VLLMEngine:
                 # abort by external id leaves behind.
                 engine.abort_request(pending, internal=True)
             self.last_aborted = len(pending)
+        return groups
+
+    def _generate_in_flight(
+        self, request: GenerateRequest, requests: list, params: list, on_finished: OnFinished | None,
+        updates: InFlightWeights, version: Any,
+    ) -> list[list[Completion] | None]:  # fmt: skip
+        """`_generate_streaming` that takes new weights between engine steps. Each sample runs as a request of
+        its own (n = 1; seeded `seed_i + j`, as vLLM seeds a parent's children) streaming its new tokens; when
+        `updates.ready()`, the running requests are aborted, `updates.take()` loads the new weights, and each
+        unfinished sample is sent again as prompt + its tokens so far with the rest of its token budget: it
+        continues under the new weights with its prefix kept (vLLM computes the prefix's KV again)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._llm.llm_engine
+        prompts, n = request.prompts, request.spec.n
+        self._batches += 1
+        samples = [[_Sample() for _ in range(n)] for _ in prompts]
+        groups: list[list[Completion] | None] = [None] * len(prompts)
+        running: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
+
+        def send(i: int, j: int) -> None:
+            done = len(samples[i][j].tokens)
+            p = params[i].clone()
+            p.n, p.max_tokens, p.output_kind = 1, params[i].max_tokens - done, RequestOutputKind.DELTA
+            p.seed = None if params[i].seed is None else params[i].seed + j + done
+            body = {
+                **requests[i],
+                "prompt_token_ids": list(requests[i]["prompt_token_ids"]) + samples[i][j].tokens,
+            }
+            request_id = f"yatt-{self._batches}-{i}-{j}-{done}"
+            engine.add_request(request_id, typing.cast(Any, body), p)
+            running[request_id] = (i, j)
+
+        def enough() -> bool:
+            done = len(prompts) - groups.count(None)
+            return (
+                request.finish_after is not None
+                and done >= request.finish_after
+                and all(groups[i] is not None for i in request.wait_for)
+            )
+
+        try:
+            for i in range(len(prompts)):
+                for j in range(n):
+                    send(i, j)
+            while running and not enough():
+                for out in engine.step():
+                    if out.request_id not in running:
+                        continue
+                    i, j = running[out.request_id]
+                    samples[i][j].add(typing.cast(Any, out).outputs[0], version)
+                    if out.finished:
+                        del running[out.request_id]
+                        if all(x.reason is not None for x in samples[i]):
+                            groups[i] = group = [x.completion() for x in samples[i]]
+                            if on_finished is not None:
+                                on_finished(i, group)
+                if running and updates.ready():
+                    engine.abort_request(list(running))
+                    version = updates.take()
+                    cut, running = list(running.values()), {}
+                    for i, j in cut:
+                        send(i, j)
+        finally:
+            if running:
+                engine.abort_request(list(running))
+            self.last_aborted = groups.count(None)
         return groups
 
     # ------------------------------------------------------------------ weights
@@ -548,6 +629,31 @@ def _group(out: Any, prompt: list[int]) -> list[Completion]:
             "tokens expanded (t*h*w / merge^2 per image)."
         )
     return [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
+class _Sample:
+    """One sample's tokens, raw log-probs and weight versions as vLLM streams them (`_generate_in_flight`)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[Any] = []
+        self.reason: str | None = None
+
+    def add(self, piece: Any, version: Any) -> None:
+        """A streamed piece (a `CompletionOutput` of DELTA kind: its new tokens) sampled by `version`."""
+        new = list(piece.token_ids)
+        if piece.logprobs is None or len(piece.logprobs) != len(new):
+            raise YattError("vLLM returned no log-prob for some generated tokens (logprobs=0 was requested)")
+        self.tokens += new
+        self.logprobs += [float(entry[t].logprob) for t, entry in zip(new, piece.logprobs)]
+        self.versions += [version] * len(new)
+        self.reason = piece.finish_reason
+
+    def completion(self) -> Completion:
+        if self.reason not in ("stop", "length"):
+            raise YattError(f"vLLM finished a completion with reason {self.reason!r} (expected stop/length)")
+        return Completion(self.tokens, self.logprobs, typing.cast(FinishReason, self.reason), self.versions)
 
 
 def _completion(out: Any) -> Completion:
