@@ -116,8 +116,15 @@ class RolloutCollector:
         """
         if self.config.rollout.max_staleness > 0:
             return self.collect_started(step)
+        self.step_rows = []
+        return self._finish(step, *self._draw_until_full(step))
+
+    def _finish(
+        self, step: int, kept: list[Group], dropped: list[Group], spare: list[Group], counts: dict[str, int]
+    ) -> RolloutBatch:
+        """The step's batch from its draws: spare groups back to the queue, the keep rate, the top-up and the
+        draw counters."""
         dynamic = self.config.algo.dynamic_sampling
-        kept, dropped, spare, counts = self._draw_until_full(step)
         self.scorer.discard([s for g in spare for s in g.samples])  # streamed to the GenRM, never scored
         back = [g.row for g in spare]
         if back:  # finished, but not needed this step: back to the queue too
@@ -154,8 +161,9 @@ class RolloutCollector:
         Collective over the controllers (the lockstep read)."""
         if step in self.inflight:
             return
-        self._lockstep(self.share, self.share)
-        rows = self.feed.pop(self.share)
+        want = groups_to_finish(self.share, self.keep_rate)  # the share; more with dynamic sampling's filter
+        self._lockstep(want, want)
+        rows = self.feed.pop(want)
         encoded = [self.prompts.encode(r.row) for r in rows]
         request = GenerateRequest([e.ids for e in encoded], self.sampling(), images=self.images(encoded))
         self.inflight[step] = InFlight(rows, encoded, self.engine.submit(request))
@@ -199,9 +207,9 @@ class RolloutCollector:
                   streamed=i in streamed, pixels=job.encoded[i].pixels)
             for i in range(len(outs))
         ]  # fmt: skip
-        kept: list[Group] = []
-        self._take(groups, kept, [])
-        batch = self._batch(step, kept)
+        # taken in prompt order up to the share; with dynamic sampling, uniform groups are dropped and what is
+        # missing is drawn now, synchronously, with the current weights (what was generated ahead is a draw)
+        batch = self._finish(step, *self._draw_until_full(step, spare=groups, draws=1))
         batch.counters.update({
             "async/staleness_mean": sum(ages) / max(len(ages), 1),
             "async/staleness_max": float(max(ages, default=0)),
@@ -253,15 +261,17 @@ class RolloutCollector:
         }
         return batch
 
-    def _draw_until_full(self, step: int) -> tuple[list[Group], list[Group], list[Group], dict[str, int]]:
-        """The draws of one step: (kept, dropped, spare: finished past the need, counts)."""
+    def _draw_until_full(
+        self, step: int, spare: list[Group] | None = None, draws: int = 0
+    ) -> tuple[list[Group], list[Group], list[Group], dict[str, int]]:
+        """The draws of one step: (kept, dropped, spare: finished past the need, counts). `spare`: groups
+        generated already (asynchronous rollout: `draws` = 1 of them), taken first."""
         dynamic = self.config.algo.dynamic_sampling
         max_draws = self.config.algo.max_draws if dynamic != "off" else 1
         kept: list[Group] = []
         dropped: list[Group] = []
-        spare: list[Group] = []  # finished past the need: taken first by the next round
-        self.step_rows = []
-        counts = {"draws": 0, "requeued": 0, "aborted": 0}
+        spare = spare or []  # finished past the need: taken first by the next round
+        counts = {"draws": draws, "requeued": 0, "aborted": 0}
         self.engine.wake()
         while True:
             need = self.share - len(kept)

@@ -609,17 +609,15 @@ def _rollout_errors(r: RolloutConfig) -> list[str]:
 
 
 def _async_errors(config: Config) -> list[str]:
-    """Asynchronous rollout needs engines that are not inside the trainers, and (for now) one draw a step."""
-    eta, r, a = config.rollout.max_staleness, config.rollout, config.algo
+    """Asynchronous rollout needs engines that are not inside the trainers, and no over-sampling (it answers the
+    long tail by generating ahead)."""
+    eta, r = config.rollout.max_staleness, config.rollout
     if eta == 0:
         return []
     return _failed([
         (config.placement.rollout_engines > 0,
          f"rollout.max_staleness={eta} generates while the trainer trains, which needs rollout engines of their "
          "own: set placement.mode=disaggregated and placement.rollout_engines >= 1 (or max_staleness=0)"),
-        (a.dynamic_sampling == "off",
-         f"rollout.max_staleness={eta} with algo.dynamic_sampling={a.dynamic_sampling!r} is not supported yet "
-         "(the group filter would draw again inside a step); set one of them off / 0"),
         (r.over_sample == 1.0,
          f"rollout.max_staleness={eta} with rollout.over_sample={r.over_sample} is not supported: asynchronous "
          "rollout answers the long tail by generating ahead; set rollout.over_sample=1.0"),

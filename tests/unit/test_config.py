@@ -275,15 +275,15 @@ def test_off_policy_and_overlong_keys_default_off_and_validate():
 
 
 def test_asynchronous_rollout_is_refused_where_it_cannot_work():
-    """rollout.max_staleness > 0 needs engine actors, and (for now) one draw a step: each refusal names the key
+    """rollout.max_staleness > 0 needs engine actors and no over-sampling: each refusal names the key
     to change; with engine actors and the defaults it loads."""
     engines = ["placement.mode=disaggregated", "placement.rollout_engines=1"]
     with pytest.raises(
         ConfigError, match=r"max_staleness=2 generates while the trainer trains.*rollout_engines >= 1"
     ):
         load_config(None, ["rollout.max_staleness=2"])
-    with pytest.raises(ConfigError, match=r"algo.dynamic_sampling='reward' is not supported yet"):
-        load_config(None, [*engines, "rollout.max_staleness=1", "algo.dynamic_sampling=reward"])
+    dapo = load_config(None, [*engines, "rollout.max_staleness=1", "algo.dynamic_sampling=reward"])
+    assert dapo.algo.dynamic_sampling == "reward"  # the filter applies to the groups generated ahead
     with pytest.raises(ConfigError, match=r"rollout.over_sample=1.5 is not supported"):
         load_config(None, [*engines, "rollout.max_staleness=1", "rollout.over_sample=1.5"])
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=-1 must be >= 0"):

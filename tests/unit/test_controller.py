@@ -293,6 +293,12 @@ class FakePool:
                 on_finished(i, group)
         return generation.results
 
+    def generate(self, request, on_finished=None):  # a draw inside a step: submitted and waited for at once
+        return self.wait(self.submit(request), on_finished)
+
+    def wake(self) -> None:
+        pass
+
     def take_stats(self) -> dict[str, float]:
         return {}
 
@@ -355,3 +361,45 @@ def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_st
     assert aged.counters["async/aged_out"] == 4 and aged.counters["async/staleness_max"] == 0
     assert aged.size == 4 * N_SAMPLES and [r.id for r in collector.step_rows] == [8, 9, 10, 11]
     assert pool.submitted == [4, 4, 4, 4]  # step 3 twice
+
+
+def test_asynchronous_collection_with_dynamic_sampling_filters_what_was_generated_ahead():
+    """DAPO's filter on asynchronous rollout: the groups generated ahead are a draw; uniform ones are dropped
+    (consumed), what is missing is drawn at once with the current weights, and informative groups past the
+    share go back to the queue unconsumed."""
+    from yatt_ray.collector import RolloutCollector
+    from yatt_ray.metrics.timeline import SpanRecorder
+    from yatt_ray.metrics.timers import PhaseTimer
+
+    config = load_config(
+        None,
+        ["train.prompts_per_step=4", f"rollout.n={N_SAMPLES}", "rollout.max_staleness=1",
+         "placement.mode=disaggregated", "placement.rollout_engines=1", "algo.dynamic_sampling=reward"],
+    )  # fmt: skip
+    tokenizer, recorder = build_tokenizer(), SpanRecorder("trainer", "rank0", "cpu")
+    collector = RolloutCollector(
+        config, 0, 1, scorer=RewardScorer(config.reward, connect_timeout_s=5), tokenizer=tokenizer,
+        reward_fn=exact_match, timer=PhaseTimer(recorder=recorder), recorder=recorder,
+    )  # fmt: skip
+    pool = collector.engine = FakePool(FakeEngine(tokenizer, []))
+    answers = ["9", "3", "9", "3", "3", "3", "3", "3", "3", "3", "3", "3"]  # "9": no sample right (uniform)
+    rows = {
+        "id": list(range(12)),
+        "prompt": ["1+2="] * 12,
+        "ground_truth": answers,
+        "data_source": ["t"] * 12,
+    }
+    collector.feed = feed = PromptFeed(Shard(rows), None, batch_size=4)
+    collector.start(1)  # 4 prompts ahead (keep rate 1): 0..3, two of them uniform
+    batch = collector.collect(1)
+    assert batch.counters["dynamic/dropped_groups"] == 2 and batch.counters["dynamic/draws"] == 2
+    assert sorted(r.id for r in collector.step_rows) == [0, 1, 2, 3, 4, 5]  # 0, 2 dropped; 4, 5 drawn now
+    assert batch.size == 4 * N_SAMPLES and batch.counters["dynamic/batch_full"] == 1
+    assert pool.submitted == [4, 2] and not feed.lent and feed.consumed == {0: [0, 1, 2, 3, 4, 5]}
+    assert collector.keep_rate == pytest.approx(0.5 * 1 + 0.5 * 4 / 6)
+    collector.start(2)  # ceil(4 / keep rate 0.83) = 5 prompts ahead now: 6..10, all informative
+    second = collector.collect(2)
+    assert sorted(r.id for r in collector.step_rows) == [6, 7, 8, 9] and second.counters["dynamic/draws"] == 1
+    assert [r.id for r in feed.queue] == [10] and pool.submitted[2:] == [
+        5
+    ]  # past the share: back, unconsumed
