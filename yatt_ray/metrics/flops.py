@@ -135,7 +135,7 @@ def measure_matmul_flops(
     torch.set_num_threads(max(1, threads))
     try:
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        kernels = [torch.matmul] + ([onednn_mm_t] if onednn_linear_available() else [])
+        kernels = [torch.matmul] + ([onednn_mm_t] if onednn_linear_available(dtype) else [])
         best = 0.0
         for mm in kernels:
             mm(a, b)
@@ -169,12 +169,18 @@ def worker_perf_model(
         peak = table_peak(name, key)
         source = f"table: {name} {key}" if peak else f"unknown: {name} {key} (set cluster.peak_flops)"
         return PerfModel(flops, peak, source)
+    from yatt_ray.train.cpu_shims import onednn_linear_available
     from yatt_ray.train.kernels import cache_key, cached_measurement
 
-    key = cache_key("peak-v1", dtype, threads)  # measured once per machine, dtype and thread count
+    # A CPU without bf16 units (no oneDNN bf16 product: AVX2 only) computes bf16 in fp32 after conversion, at
+    # best at its fp32 rate, which is then the peak (its bf16 GEMMs measure far below it, size-dependent).
+    native = dtype == torch.float32 or onednn_linear_available(dtype)
+    peak_dtype = dtype if native else torch.float32
+    key = cache_key("peak-v1", peak_dtype, threads)  # measured once per machine, dtype and thread count
+    name = "bf16" if peak_dtype == torch.bfloat16 else "fp32"
     return PerfModel(
         flops,
-        cached_measurement(key, lambda: measure_matmul_flops(threads, dtype=dtype), float),
-        f"measured: {'bf16' if dtype == torch.bfloat16 else 'fp32'} matmul (best of MKL, oneDNN), {threads} "
-        "thread(s)",
+        cached_measurement(key, lambda: measure_matmul_flops(threads, dtype=peak_dtype), float),
+        f"measured: {name} matmul (best of MKL, oneDNN), {threads} thread(s)"
+        + ("" if native else "; this CPU has no bf16 matmul units"),
     )

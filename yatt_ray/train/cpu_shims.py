@@ -26,6 +26,7 @@ Not patched on purpose:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -115,9 +116,18 @@ def _patch_rng_tracker() -> None:
     mrandom.initialize_rng_tracker(force_reset=True)
 
 
-def onednn_linear_available() -> bool:
-    """True when this torch build has oneDNN's dense linear op (`torch.ops.mkldnn._linear_pointwise`)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.cache
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build has oneDNN's dense linear op (`torch.ops.mkldnn._linear_pointwise`) and it
+    runs in `dtype` on this CPU (bf16 needs AVX-512 or AMX: on an AVX2-only CPU oneDNN has no bf16 inner
+    product, "could not create a primitive descriptor"; a tiny product is tried once per dtype)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        onednn_mm_t(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -173,7 +183,7 @@ def _patch_linear_matmuls() -> None:
                 or options.get("gradient_accumulation_fusion")
                 or options.get("grad_output_buffer")
             )
-            if not plain or input.dtype not in (torch.float32, torch.bfloat16) or active_linear() != "onednn":
+            if not plain or active_linear() != "onednn" or not onednn_linear_available(input.dtype):
                 return original(input, weight, bias, **options)
             dgrad = options.get("async_grad_allreduce")
             dgrad = options.get("allreduce_dgrad", False) if dgrad is None else dgrad

@@ -76,7 +76,7 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
     key = cache_key("v3", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
-                    shape.num_kv_heads, shape.head_dim, onednn_linear_available())  # fmt: skip
+                    shape.num_kv_heads, shape.head_dim, onednn_linear_available(dtype))  # fmt: skip
     return cached_measurement(
         key, lambda: asdict(_measure(shape, max(1, max_threads), dtype)), lambda v: KernelChoice(**v)
     )
@@ -125,7 +125,7 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
         x = torch.randn(2048, shape.hidden_size, dtype=dtype)
         w = torch.randn(shape.ffn_hidden_size, shape.hidden_size, dtype=dtype)
         kernels = {"mkl": lambda a, b: torch.matmul(a, b.t())}
-        if onednn_linear_available():
+        if onednn_linear_available(dtype):
             kernels["onednn"] = onednn_mm_t
         for name, mm in kernels.items():
             rates[f"linear_{name}"] = _gemm_rate(mm, x, w)
