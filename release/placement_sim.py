@@ -9,13 +9,16 @@
     python release/placement_sim.py --costs costs.json               # measured cost constants (Costs fields)
     python release/placement_sim.py --from-metrics runs/x/metrics.jsonl --measured-devices 8
     python release/placement_sim.py --scaling strong --csv out.csv --seed 1
+    python release/placement_sim.py --async                          # asynchronous rollout: throughput vs eta
+    python release/placement_sim.py --async --async-devices 64 256 --async-etas 0 1 2 --async-sigma 1.0
 
 It tests the claim of the WeChat-YATT paper (arXiv 2508.07970) that partial coexistence cuts rollout time by
 16.2-24.1% under GenRM workloads, and shows where each placement mode wins. No Ray, no accelerator: it is a
 model. The last line sums it up: `placement_sim: partial_rollout_cut_min_pct=... partial_rollout_cut_max_pct=...
 partial_points_cut_ge_16pct=a/b partial_rule_points_cut_ge_16pct=c/b partial_step_gain_max_pct=...
 disaggregated_rollout_cut_max_pct=... disaggregated_step_gain_max_pct=...` (cuts and gains in % of full's time;
-a/b: grid points where partial's rollout phase is at least 16% shorter than full's).
+a/b: grid points where partial's rollout phase is at least 16% shorter than full's). With --async it models
+asynchronous rollout instead (see the end of this docstring) and ends on its own line.
 
 The three modes (as yatt_ray runs them; see DESIGN.md):
   full           all N devices host trainer + rollout engine + a GenRM replica; per step, in series:
@@ -116,6 +119,65 @@ replica's weights and KV cache beside it take memory (optimistic); the wake take
 moves the share by the replicas' number (Serve autoscaling); the model's one s on every device is the fluid
 form of that. The default constants are assumptions (see Costs); measure yours and pass them with --costs or
 --from-metrics.
+
+Asynchronous rollout (--async): training throughput against the staleness bound eta (`rollout.max_staleness`) for
+N = 64, 256, 1,024 (--async-devices) and eta = 0, 1, 2, 4, 8 (--async-etas), set against AReaL (arXiv 2505.24298:
+2.09x at eta = 1 and 2.77x at eta = 2 over synchronous, saturating beyond). No GenRM (a rule reward, no reward
+time). Lengths from the model above with sigma = --async-sigma (default 0.6), step s's from the stream (seed, s)
+as in the grid, the same for every mode, split and eta at one N (common random numbers); weak scaling as above.
+The last line: `placement_sim_async: ratio_eta1=... ratio_eta2=... ratio_eta4=... saturates_at_eta=...
+areal_eta1=2.09 areal_eta2=2.77`, ratios at the largest N over the better synchronous mode.
+  Training  T_train(D) = tokens (logprob_s_per_token + train_s_per_token) / D on D trainer devices, tokens = the
+            step's prompt + response tokens (the Costs figures above: 2 x 2 x 7e9 and 6 x 7e9 FLOPs a token at 35%
+            of an H100's bf16 peak). push = weight_sync_s, also for a push from trainers to separate engines.
+  Sync      colocated on N:    T_s - T_{s-1} = T_gen(N) + trainer_switch + T_train(N) + weight_sync
+            disaggregated:     T_s - T_{s-1} = push + T_gen(G) + T_train(N - G)   (G engines, N - G trainers; no
+                               offload; batch s >= 1 waits for the weights trained on s - 1)
+            T_gen(D) as above: with all of a device's samples in one batch, t0 max(L) + t1 sum(L) + prefill.
+  Async     G engines generate without stopping, N - G train. Batch s (its prompts) is released when the trainer
+            has trained batch s - eta - 1 (at t = 0 for s <= eta): at most eta + 1 batches are started and not yet
+            trained, and a sample is trained at most eta versions after the weights it started under. Engine d
+            holds one FCFS queue over the batches in order (sample j of a batch goes to engine j mod G) and fills
+            a slot of its max_batch from it whenever one frees, with the next batch's samples once the current
+            batch's are all admitted: with eta > 0 the tail of batch s decodes in a batch kept full by batch s + 1
+            (continuous batching across steps), beyond merely overlapping generation with training. Interruptible
+            generation (weights taken between decode steps): an engine never waits for a weight sync; taking up
+            a batch s > eta it pauses push (the push that released it) + the prefill of its share of the batch.
+            The trainer trains batch s once its last sample is done (C_s) and the previous push is out:
+                T_s = max(C_s, T_{s-1} + push) + T_train(N - G)
+            The engines exactly, in decode iterations (cost t0 + t1 b as above): between two admissions e_a < e
+            every slot is busy (an admission happens when the first slot frees), so the wall time is
+                W(e) = W(e_a) + (t0 + t1 max_batch) (e - e_a);
+            an engine whose next sample's batch is not yet released (gate g) decodes what it holds,
+                W(c + x) = W(c) + t0 x + t1 sum_j min(d_j, x)   (d_j: the remaining lengths),
+            up to the first iteration with W >= g, or idles until g once all have ended. A sample ending at
+            iteration e is done at W(e), before the pauses charged at e. At eta = 0 this is the synchronous
+            disaggregated model, step for step (tested, as is the whole against a plain wall-clock loop).
+  Rate      trained response tokens per second in steady state: mean_{h <= s < S} sum(L_s) / P, P the least-
+            squares slope of T_s over s = h..S-1, h = S / 2 (S = --async-steps, default 20; the first half fills
+            the pipeline; eta + 1 more batches are simulated past S so that the engines stay loaded to the end).
+  Split     G by pattern search at each eta (from the previous eta's G, steps N / 4 halved down to N / 64);
+            synchronous disaggregated likewise at eta = 0.
+  Ratios    "x sync" (the summary line's): over the better of synchronous colocated and synchronous
+            disaggregated at its best split; "x coloc" and "x dis0" over each. saturates_at_eta: the least eta
+            within 2% of the best ratio over the etas (the largest eta: not saturated within those tried).
+
+What the asynchronous model leaves out, and why its curve's shape may differ from AReaL's:
+  - The trainer here trains a fixed batch of prompts and waits for its last sample. Kept in a full batch by
+    the next steps' samples, that straggler decodes at t0 + t1 max_batch a token (6.4 times slower than alone
+    with the defaults: 524 s for an 8,192-token response against about 80 s at the end of a synchronous step),
+    so a batch takes several steps' time from release to last sample, and the rate keeps rising with eta until
+    eta + 1 steps span it: well past eta = 2 at sigma 0.6. AReaL's trainer takes the first batch-size finished
+    trajectories, whatever their prompts, so no straggler holds a step and the bound only limits version lag:
+    hence its saturation at eta = 2. (A longer tail, larger sigma or response_max, moves the model's further out.)
+  - AReaL's 2.77x is its whole system against other synchronous systems on the same GPUs: besides asynchrony,
+    interruptible rollout workers, dynamic batching of variable-length training data, a parallel reward service,
+    and its models (1.5B-32B) and reasoning responses (up to tens of thousands of tokens). Here only the
+    schedule changes; costs, batching and reward are the same in every mode.
+  - Interrupted sequences keep their KV cache (AReaL recomputes it under the new weights): no re-prefill; the
+    push pause is charged when an engine takes up a batch, not when the push lands (one pause a step either way).
+  - Throughput only: no staleness-aware objective, and the same progress per step at every eta. One split for
+    the whole run (AReaL rebalances); no KV-cache limit beyond max_batch slots; no network time but the push.
 """
 
 from __future__ import annotations
@@ -130,6 +192,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -656,25 +719,34 @@ def train_seconds(lengths: np.ndarray, devices: int, costs: Costs) -> float:
     return tokens * (costs.logprob_s_per_token + costs.train_s_per_token) / devices
 
 
-def sync_colocated_ends(draws: list[np.ndarray], n: int, costs: Costs) -> np.ndarray:
-    """Synchronous, colocated on N: T_s = sum_{r <= s} [T_gen(N) + trainer_switch + T_train(N) + weight_sync]."""
-    steps = [
-        simulate_generation(lengths, n, costs).time
-        + _train_phase(float(lengths.sum()) + lengths.size * costs.prompt_len, n, costs)
-        for lengths in draws
-    ]
-    return np.cumsum(steps)
+class Timeline(NamedTuple):
+    """When each step's batch is generated (C_s: its last sample done) and trained (T_s: the trainer done)."""
+
+    generated: np.ndarray
+    trained: np.ndarray
 
 
-def sync_disaggregated_ends(draws: list[np.ndarray], generators: int, n: int, costs: Costs) -> np.ndarray:
-    """Synchronous, G = `generators` engines and N - G trainers: T_s = sum_{r <= s} [T_gen(G) + T_train(N - G)
-    + push (r >= 1)], push = weight_sync_s: batch r >= 1 waits for the weights trained on batch r - 1."""
-    steps = np.array(
-        [simulate_generation(lengths, generators, costs).time + train_seconds(lengths, n - generators, costs)
-         for lengths in draws]
-    )  # fmt: skip
-    steps[1:] += costs.weight_sync_s
-    return np.cumsum(steps)
+def _in_series(gen: list[float], train: list[float], pause: float) -> Timeline:
+    """Generation then training, in series: T_s = T_{s-1} + pause (s >= 1) + gen_s + train_s, C_s = T_s - train_s."""
+    steps = np.asarray(gen) + np.asarray(train)
+    steps[1:] += pause
+    trained = np.cumsum(steps)
+    return Timeline(trained - np.asarray(train), trained)
+
+
+def sync_colocated(draws: list[np.ndarray], n: int, costs: Costs) -> Timeline:
+    """Synchronous, colocated on N: T_s - T_{s-1} = T_gen(N) + trainer_switch + T_train(N) + weight_sync."""
+    gen = [simulate_generation(lengths, n, costs).time for lengths in draws]
+    tokens = [float(lengths.sum()) + lengths.size * costs.prompt_len for lengths in draws]
+    return _in_series(gen, [_train_phase(x, n, costs) for x in tokens], 0.0)
+
+
+def sync_disaggregated(draws: list[np.ndarray], generators: int, n: int, costs: Costs) -> Timeline:
+    """Synchronous, G = `generators` engines and N - G trainers: T_s - T_{s-1} = push + T_gen(G) + T_train(N - G),
+    push = weight_sync_s (batch s >= 1 waits for the weights trained on batch s - 1)."""
+    gen = [simulate_generation(lengths, generators, costs).time for lengths in draws]
+    train = [train_seconds(lengths, n - generators, costs) for lengths in draws]
+    return _in_series(gen, train, costs.weight_sync_s)
 
 
 def _deal(draws: list[np.ndarray], generators: int) -> tuple[np.ndarray, np.ndarray]:
@@ -705,7 +777,7 @@ class _Engines:
         self.free = np.zeros((generators, b))
         self.owner = np.full((generators, b), -1)
         self.e, self.w, self.w_pre = np.zeros(generators), np.zeros(generators), np.zeros(generators)
-        self.done = np.full((generators, steps), -np.inf)
+        self.done = np.full((generators, steps + 1), -np.inf)  # column -1: where owner -1 writes (discarded)
         self.rows = np.arange(generators)
 
     def _candidate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -717,28 +789,28 @@ class _Engines:
         w_c = self.w + self.full * (c - self.e)
         return slot, c, w_c, np.where(c > self.e, w_c, self.w_pre)
 
-    def _admit(self, slot, c, w_c, w_pre, lengths, step: int) -> None:
-        """Record the slot's previous occupant (it ended at c: finish W_pre(c)) and start `lengths` there at c."""
+    def _admit(self, slot, c, w_c, w_pre, lengths: np.ndarray, owners: np.ndarray) -> None:
+        """Record the slot's previous occupant (it ended at c: finish W_pre(c)) and start `lengths` there at c;
+        owners: their step, -1 for padding."""
         rows, old = self.rows, self.owner[self.rows, slot]
-        hit = old >= 0
-        self.done[rows[hit], old[hit]] = np.maximum(self.done[rows[hit], old[hit]], w_pre[hit])
+        self.done[rows, old] = np.maximum(self.done[rows, old], w_pre)
         self.free[rows, slot] = c + lengths
-        self.owner[rows, slot] = np.where(lengths > 0, step, -1)
+        self.owner[rows, slot] = owners
         self.e, self.w, self.w_pre = c, w_c, w_pre
 
-    def admit(self, lengths: np.ndarray, step: int) -> None:
+    def admit(self, lengths: np.ndarray, owners: np.ndarray) -> None:
         """The next queued sequence of every device (not the first of its batch: its gate is open)."""
-        self._admit(*self._candidate(), lengths, step)
+        self._admit(*self._candidate(), lengths, owners)
 
-    def take_up(self, lengths: np.ndarray, step: int, pause: np.ndarray, gate: float) -> None:
-        """The first sequence of batch `step`: not before wall time `gate`; a device whose slot frees before it
-        decodes what it holds until then (_drain) or idles. Then it pauses `pause` (push + prefill), admits."""
+    def take_up(self, lengths: np.ndarray, owners: np.ndarray, pause: np.ndarray, gate: float) -> None:
+        """The first sequence of a batch, released at wall time `gate`: a device whose slot frees before then
+        decodes what it holds until then (_drain) or idles; then it pauses `pause` (push + prefill) and admits."""
         slot, c, w_c, w_pre = self._candidate()
         waits = w_c < gate
         if waits.any():
             c[waits], w_c[waits], w_pre[waits] = self._drain(waits, c[waits], w_c[waits], w_pre[waits], gate)
             slot = self.free.argmin(axis=1)  # still free at the new c
-        self._admit(slot, c, w_c + pause, w_pre, lengths, step)
+        self._admit(slot, c, w_c + pause, w_pre, lengths, owners)
 
     def _knots(self, free: np.ndarray, c: np.ndarray, w_c: np.ndarray) -> tuple[np.ndarray, ...]:
         """Decoding from iteration c with no admission: W(c + x) = W(c) + t0 x + t1 sum_j min(d_j, x), d_j =
@@ -756,7 +828,7 @@ class _Engines:
         order, d, w = self._knots(self.free[rows], c, w_c)
         b = d.shape[1]
         reach = w >= gate
-        hit, k = reach.any(axis=1), np.maximum(reach.argmax(axis=1), 1)
+        hit, k = reach.any(axis=1), np.clip(reach.argmax(axis=1), min(1, b - 1), b - 1)  # W(d_0) < gate
         i = np.arange(k.size)
         x0, w0 = d[i, k - 1], w[i, k - 1]
         x = np.minimum(np.ceil(x0 + (gate - w0) / (self.t0 + self.t1 * (b - k)) - 1e-9), d[i, k])
@@ -781,60 +853,150 @@ class _Engines:
         return float(max(self.done[:, step].max(), pending))
 
 
-def simulate_async(draws: list[np.ndarray], generators: int, n: int, eta: int, costs: Costs) -> np.ndarray:
-    """Asynchronous rollout with staleness bound eta on G = `generators` engines and N - G trainers: returns T_s,
-    when the trainer has trained step s (see the module docstring for the model)."""
+def simulate_async(draws: list[np.ndarray], generators: int, n: int, eta: int, costs: Costs) -> Timeline:
+    """Asynchronous rollout with staleness bound eta on G = `generators` engines and N - G trainers (see the
+    module docstring for the model)."""
     steps = len(draws)
     queue, counts = _deal(draws, generators)
+    owners = np.where(queue > 0, np.arange(steps)[:, None, None], -1)
     pause = counts * costs.prompt_len / costs.prefill_tps
     pause[eta + 1 :] += costs.weight_sync_s  # batches after the first eta + 1 start on pushed weights
     train = [train_seconds(lengths, n - generators, costs) for lengths in draws]
     engines = _Engines(generators, steps, costs)
-    ends, trainer_free = np.full(steps, np.nan), 0.0
+    done, ends, trainer_free = np.full(steps, np.nan), np.full(steps, np.nan), 0.0
 
     def close(s: int) -> None:  # T_s = max(C_s, T_{s-1} + push) + T_train(N - G)
         nonlocal trainer_free
-        ends[s] = max(engines.finish(s), trainer_free) + train[s]
+        done[s] = engines.finish(s)
+        ends[s] = max(done[s], trainer_free) + train[s]
         trainer_free = ends[s] + costs.weight_sync_s
 
     for s in range(steps):
         if s > eta:
             close(s - eta - 1)
-        engines.take_up(queue[s, :, 0], s, pause[s], float(ends[s - eta - 1]) if s > eta else 0.0)
+        engines.take_up(
+            queue[s, :, 0], owners[s, :, 0], pause[s], float(ends[s - eta - 1]) if s > eta else 0.0
+        )
         for i in range(1, queue.shape[2]):
-            engines.admit(queue[s, :, i], s)
+            engines.admit(queue[s, :, i], owners[s, :, i])
     for s in range(max(steps - eta - 1, 0), steps):
         close(s)
-    return ends
+    return Timeline(done, ends)
 
 
-def steady_throughput(ends: np.ndarray, draws: list[np.ndarray]) -> float:
-    """Trained response tokens per second over the second half of the steps: sum_{s >= h} sum(L_s) /
-    (T_{S-1} - T_{h-1}), h = S // 2 (the first half fills the pipeline)."""
-    h = len(ends) // 2
-    return float(sum(lengths.sum() for lengths in draws[h:]) / (ends[-1] - ends[h - 1]))
+def steady_period(timeline: Timeline, steps: int) -> float:
+    """Seconds per step in steady state: the least-squares slope of T_s against s over the measured steps
+    h..S-1 (h = S // 2: the first half fills the pipeline; S = `steps`). The timeline runs eta + 1 batches past
+    S (simulated, not measured) so that the engines stay as loaded to the end of the window as in a long run
+    (without them the last batches would finish in a draining batch, faster). A slope, not an end difference:
+    the trainer waits on each batch's straggler, which moves a single T_s by much."""
+    s = np.arange(steps // 2, steps)
+    return float(np.polyfit(s, timeline.trained[s], 1)[0])
 
 
-def search_split(n: int, evaluate: Callable[[int], float]) -> tuple[int, float]:
-    """The generator count G in 1..N-1 with the highest throughput: G on a grid of step N / 8, then the step
-    halved around the best G (its two neighbours at each step) down to max(N / 64, 1). Returns (G, throughput)."""
+def steady_throughput(timeline: Timeline, draws: list[np.ndarray], steps: int | None = None) -> float:
+    """Trained response tokens per second in steady state: R = mean_{h <= s < S} sum(L_s) / steady_period,
+    S = `steps` (default: all of draws)."""
+    steps = len(draws) if steps is None else steps
+    tokens = np.mean([lengths.sum() for lengths in draws[steps // 2 : steps]])
+    return float(tokens / steady_period(timeline, steps))
+
+
+def search_split(n: int, evaluate: Callable[[int], float], start: int | None = None) -> tuple[int, float]:
+    """The generator count G in 1..N-1 with the highest throughput, by pattern search: from G = `start` (default
+    N / 2) with step N / 4, try G - step and G + step and move to the best of the three; halve the step when G
+    stays best; stop once the step is below max(N / 64, 1). (Throughput is close to unimodal in G: the smaller
+    of a generator rate rising and a trainer rate falling with G.) Returns (G, throughput)."""
     tried: dict[int, float] = {}
 
-    def ev(g: int) -> None:
+    def ev(g: int) -> int:
         g = min(max(g, 1), n - 1)
         if g not in tried:
             tried[g] = evaluate(g)
+        return g
 
-    step = max(n // 8, 1)
-    for g in range(step, n, step):
-        ev(g)
-    while step > max(n // 64, 1):
-        step = max(step // 2, 1)
-        best = max(tried, key=lambda g: (tried[g], -g))
-        ev(best - step)
-        ev(best + step)
-    best = max(tried, key=lambda g: (tried[g], -g))
-    return best, tried[best]
+    g, step = ev(n // 2 if start is None else start), max(n // 4, 1)
+    while step >= max(n // 64, 1):
+        best = max((ev(g - step), g, ev(g + step)), key=lambda x: (tried[x], -x))
+        if best == g:
+            step //= 2
+        g = best
+    return g, tried[g]
+
+
+@dataclass
+class AsyncPoint:
+    """One (N, eta): asynchronous rollout at its best split, against the synchronous runs on the same lengths."""
+
+    devices: int
+    eta: int
+    generators: int  # G engines at the best split (N - G train)
+    throughput: float  # trained response tokens per second, steady state
+    colocated: float  # synchronous, colocated on N
+    disaggregated: float  # synchronous, disaggregated at its best split (= eta 0 at its best G)
+    gen_util: float  # generated tokens / (G x decode_tps x time): 1 = every engine always at a full batch
+    train_util: float  # time the trainer computes (T_train(N - G) + push) / time
+
+    @property
+    def sync(self) -> float:
+        """The better synchronous throughput: the baseline of every ratio."""
+        return max(self.colocated, self.disaggregated)
+
+    @property
+    def ratio(self) -> float:
+        return self.throughput / self.sync
+
+
+def _utilisation(
+    timeline: Timeline, draws, steps: int, generators: int, n: int, costs: Costs
+) -> tuple[float, float]:
+    """(engine, trainer) utilisation over the measured steps, per steady_period P: mean generated tokens per step
+    / (G decode_tps P) and mean (T_train(N - G) + push) per step / P."""
+    period, measured = steady_period(timeline, steps), draws[steps // 2 : steps]
+    tokens = np.mean([lengths.sum() for lengths in measured])
+    trained = np.mean([train_seconds(x, n - generators, costs) + costs.weight_sync_s for x in measured])
+    return float(tokens / (generators * costs.decode_tps * period)), float(trained / period)
+
+
+def run_async(
+    costs: Costs,
+    devices: list[int],
+    etas: list[int],
+    sigma: float = DEFAULT_ASYNC_SIGMA,
+    scaling: str = "weak",
+    seed: int = 0,
+    steps: int = 20,
+) -> list[AsyncPoint]:
+    """Every (N, eta): the best split for asynchronous rollout (eta 0: synchronous disaggregated, computed in
+    closed form; equal to simulate_async at eta 0), against synchronous colocated and disaggregated placement.
+    `steps` steps are measured (their second half); eta + 1 more are simulated after them. The same lengths
+    (common random numbers) for every eta, split and mode at one N."""
+    if steps < 4:
+        raise ValueError("--async-steps: need at least 4 steps (the second half is measured)")
+    points = []
+    for n in devices:
+        if n < 2:
+            raise ValueError(f"cluster size {n}: asynchronous rollout needs at least 2 devices")
+        draws = step_lengths(costs, n, sigma, scaling, seed, steps + max(etas) + 1)
+        colocated = steady_throughput(sync_colocated(draws[:steps], n, costs), draws, steps)
+        runs: dict[tuple[int, int], Timeline] = {}
+
+        def rate(g: int, eta: int, draws=draws, n=n, runs=runs) -> float:
+            if (g, eta) not in runs:
+                runs[g, eta] = (
+                    sync_disaggregated(draws[:steps], g, n, costs)
+                    if eta == 0
+                    else simulate_async(draws[: steps + eta + 1], g, n, eta, costs)
+                )
+            return steady_throughput(runs[g, eta], draws, steps)
+
+        _, disaggregated = search_split(n, lambda g, rate=rate: rate(g, 0))
+        g = n // 2
+        for eta in sorted(etas):  # each search starts from the previous eta's split
+            g, best = search_split(n, lambda x, e=eta, rate=rate: rate(x, e), start=g)
+            util = _utilisation(runs[g, eta], draws, steps, g, n, costs)
+            points.append(AsyncPoint(n, eta, g, best, colocated, disaggregated, *util))
+    return points
 
 
 # ---------------------------------------------------------------------------------------------------- cost inputs
@@ -1042,6 +1204,108 @@ def summary_line(cells: list[Cell]) -> str:
     )
 
 
+ASYNC_COLUMNS = (
+    ("N", 5, "d"),
+    ("eta", 3, "d"),
+    ("gen", 5, "d"),
+    ("gen/N", 6, ".1%"),
+    ("tok/s", 10, ".0f"),
+    ("x coloc", 7, ".2f"),
+    ("x dis0", 7, ".2f"),
+    ("x sync", 7, ".2f"),
+    ("AReaL", 5, "s"),
+    ("gen util", 8, ".1%"),
+    ("train util", 10, ".1%"),
+)
+ASYNC_LEGEND = (
+    "tok/s = trained response tokens per second (steady state); gen = engines at the best split (N - gen train);\n"
+    "x coloc / x dis0 = throughput over synchronous colocated / synchronous disaggregated at its best split "
+    "(eta 0);\nx sync = over the better of the two (the ratio the summary line reports); AReaL = its published "
+    "ratio over synchronous;\ngen util = generated tokens / (gen x decode_tps x time); train util = trainer busy "
+    "(train + push) / time"
+)
+
+
+def async_row(p: AsyncPoint) -> list:
+    """The table's values for one point, in ASYNC_COLUMNS order."""
+    areal = f"{AREAL[p.eta]:.2f}" if p.eta in AREAL else "-"
+    return [
+        p.devices, p.eta, p.generators, p.generators / p.devices, p.throughput,
+        p.throughput / p.colocated, p.throughput / p.disaggregated, p.ratio, areal, p.gen_util, p.train_util,
+    ]  # fmt: skip
+
+
+def format_async_table(points: list[AsyncPoint]) -> str:
+    lines = ["  ".join(f"{name:>{width}}" for name, width, _ in ASYNC_COLUMNS)]
+    for p in points:
+        lines.append(
+            "  ".join(f"{format(v, fmt):>{w}}" for v, (_, w, fmt) in zip(async_row(p), ASYNC_COLUMNS))
+        )
+    return "\n".join(lines)
+
+
+def saturation_eta(points: list[AsyncPoint]) -> int:
+    """The least eta whose ratio reaches SATURATION x the best ratio over the etas (points of one N)."""
+    top = max(p.ratio for p in points)
+    return min(p.eta for p in points if p.ratio >= SATURATION * top)
+
+
+def async_comparison(points: list[AsyncPoint]) -> str:
+    """Per N, the curve's shape against AReaL's: gain reached at eta 1 as a share of the gain at eta 2 (AReaL:
+    (2.09 - 1) / (2.77 - 1) = 62%), and where the curve saturates (AReaL: beyond eta 2)."""
+    areal = (AREAL[1] - 1) / (AREAL[2] - 1)
+    lines = [
+        f"Shape against AReaL ({AREAL[1]:.2f}x at eta 1, {AREAL[2]:.2f}x at eta 2 over synchronous, saturating "
+        f"beyond; gain at eta 1 / gain at eta 2 = {areal:.0%}):"
+    ]
+    for n in sorted({p.devices for p in points}):
+        mine = [p for p in points if p.devices == n]
+        by_eta = {p.eta: p.ratio for p in mine}
+        best = max(mine, key=lambda p: p.ratio)
+        share = (
+            f"{(by_eta[1] - 1) / (by_eta[2] - 1):.0%}" if {1, 2} <= by_eta.keys() and by_eta[2] > 1 else "n/a"
+        )
+        knee = saturation_eta(mine)
+        note = " (the largest eta tried: not saturated)" if knee == max(by_eta) and len(by_eta) > 1 else ""
+        lines.append(
+            f"- N={n}: "
+            + ", ".join(f"eta {e}: {r:.2f}x" for e, r in sorted(by_eta.items()))
+            + f"; gain at eta 1 / gain at eta 2 = {share}; best {best.ratio:.2f}x at eta {best.eta}, within "
+            f"{1 - SATURATION:.0%} of it from eta {knee}{note}."
+        )
+    return "\n".join(lines)
+
+
+def async_summary_line(points: list[AsyncPoint]) -> str:
+    """The last line with --async: ratios over synchronous (the better of colocated and disaggregated) at the
+    largest N; nan for an eta not simulated."""
+    n = max(p.devices for p in points)
+    mine = [p for p in points if p.devices == n]
+    by_eta = {p.eta: p.ratio for p in mine}
+
+    def r(eta: int) -> str:
+        return f"{by_eta[eta]:.2f}" if eta in by_eta else "nan"
+
+    return (
+        f"placement_sim_async: ratio_eta1={r(1)} ratio_eta2={r(2)} ratio_eta4={r(4)} "
+        f"saturates_at_eta={saturation_eta(mine)} areal_eta1={AREAL[1]:.2f} areal_eta2={AREAL[2]:.2f}"
+    )
+
+
+def describe_async(costs: Costs, sigma: float, scaling: str, steps: int, seed: int) -> str:
+    t0, t1 = costs.decode_constants()
+    per_token = 1e6 * (costs.logprob_s_per_token + costs.train_s_per_token)
+    return (
+        f"asynchronous rollout model: decode {costs.decode_tps:g} tok/s/device at batch {costs.max_batch}, "
+        f"{costs.seq_decode_tps:g} tok/s alone (t0={1e3 * t0:.2f} ms, t1={1e3 * t1:.3f} ms/seq); responses "
+        f"lognormal mean {costs.response_mean:g}, sigma {sigma:g}, max {costs.response_max} + prompt "
+        f"{costs.prompt_len} tokens; {costs.prompts} prompts x {costs.samples_per_prompt} per "
+        f"{costs.reference_devices} devices ({scaling} scaling); log-probs + train {per_token:g} us/token/device; "
+        f"push {costs.weight_sync_s:g} s; colocated also pays trainer switch {costs.trainer_switch_s:g} s; "
+        f"{steps} steps (second half measured), seed {seed}; no GenRM"
+    )
+
+
 def describe(costs: Costs, scaling: str, share_bounds: tuple[float, float]) -> str:
     t0, t1 = costs.decode_constants()
     return (
@@ -1081,7 +1345,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--csv", default=None, help="also write the table as CSV here")
     p.add_argument("--steps", type=int, default=3, help="simulated steps averaged per grid point")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--async",
+        dest="run_async",
+        action="store_true",
+        help="simulate asynchronous rollout instead: throughput against the staleness bound eta",
+    )
+    p.add_argument(
+        "--async-etas", type=int, nargs="+", default=list(DEFAULT_ASYNC_ETAS), help="staleness bounds eta"
+    )
+    p.add_argument(
+        "--async-devices", type=int, nargs="+", default=list(DEFAULT_ASYNC_DEVICES), help="cluster sizes N"
+    )
+    p.add_argument(
+        "--async-sigma", type=float, default=DEFAULT_ASYNC_SIGMA, help="length spread of the async sweep"
+    )
+    p.add_argument(
+        "--async-steps", type=int, default=20, help="simulated steps (the second half is measured)"
+    )
     args = p.parse_args(argv)
+    if min(args.async_etas) < 0:
+        p.error("--async-etas: eta >= 0")
     try:
         check_share_bounds((args.share_min, args.share_max))
     except ValueError as e:
@@ -1089,7 +1373,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str]) -> list[Cell]:
+def main_async(args: argparse.Namespace, costs: Costs) -> list[AsyncPoint]:
+    """--async: the table of throughput against eta, the comparison with AReaL, and its own last line."""
+    print(describe_async(costs, args.async_sigma, args.scaling, args.async_steps, args.seed))
+    start = time.perf_counter()
+    points = run_async(
+        costs,
+        args.async_devices,
+        args.async_etas,
+        args.async_sigma,
+        args.scaling,
+        args.seed,
+        args.async_steps,
+    )
+    print(f"\n{ASYNC_LEGEND}\n")
+    print(format_async_table(points))
+    print()
+    print(async_comparison(points))
+    print(f"\n({time.perf_counter() - start:.1f} s)")
+    print(async_summary_line(points))
+    return points
+
+
+def main(argv: list[str]) -> list[Cell] | list[AsyncPoint]:
     args = parse_args(argv)
     costs = load_costs(args.costs)
     ratios = list(args.ratios)
@@ -1105,6 +1411,8 @@ def main(argv: list[str]) -> list[Cell]:
             print(
                 f"measured reward cost ratio {measured:.2g}: a rule reward, not a GenRM; not added to --ratios"
             )
+    if args.run_async:
+        return main_async(args, costs)
     print(describe(costs, args.scaling, bounds))
     start = time.perf_counter()
     cells = run_grid(

@@ -361,3 +361,193 @@ def test_share_bounds_are_checked(bounds):
         ps.parse_args(["--share-min", bounds[0], "--share-max", bounds[1]])
     with pytest.raises(ValueError, match="share"):
         ps.run_grid(SMALL, [8], [0.5], [0.6], share_bounds=tuple(map(float, bounds)))
+
+
+# ---------------------------------------------------------------------------------------------------- asynchronous
+
+# A small asynchronous workload: 8 slots a device, lengths 1-40, so that batches queue, tails drain and gates bind.
+TINY = dataclasses.replace(
+    SMALL, max_batch=8, decode_tps=400.0, seq_decode_tps=100.0, prompt_len=64, prefill_tps=2000.0
+)
+
+
+def tiny_draws(steps: int, size: int, seed: int = 0, high: int = 40) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, high, size=size).astype(float) for _ in range(steps)]
+
+
+def wall_clock_async(draws, g: int, n: int, eta: int, costs) -> np.ndarray:
+    """Trainer finish times from a wall-clock loop: the device furthest behind in time moves first, one decode
+    iteration at a time; batch s is admitted once the trainer has trained batch s - eta - 1 (pausing push and
+    prefill when a device takes it up); the trainer trains batch s once all its samples are done."""
+    t0, t1 = costs.decode_constants()
+    steps, push = len(draws), costs.weight_sync_s
+    queue = [[(s, x) for s in range(steps) for x in draws[s][d::g]] for d in range(g)]
+    left, last = [x.size for x in draws], [0.0] * steps
+    trained, trainer_free = [], 0.0
+    wall, active, taken = [0.0] * g, [[] for _ in range(g)], [set() for _ in range(g)]
+    train = [ps.train_seconds(x, n - g, costs) for x in draws]
+    while any(queue) or any(active):
+        while len(trained) < steps and left[len(trained)] == 0:
+            end = max(last[len(trained)], trainer_free) + train[len(trained)]
+            trained.append(end)
+            trainer_free = end + push
+        gate = [0.0 if s <= eta else (trained[s - eta - 1] if s - eta - 1 < len(trained) else None)
+                for s in range(steps)]  # fmt: skip
+        for d in sorted(range(g), key=lambda d: wall[d]):
+            paused = False
+            while queue[d] and len(active[d]) < costs.max_batch and gate[queue[d][0][0]] is not None:
+                s, length = queue[d][0]
+                if gate[s] > wall[d]:
+                    break
+                if s not in taken[d]:
+                    taken[d].add(s)
+                    count = len(draws[s][d::g])
+                    wall[d] += count * costs.prompt_len / costs.prefill_tps + (push if s > eta else 0.0)
+                    paused = True
+                active[d].append([s, length])
+                queue[d].pop(0)
+            if paused:  # the others catch up before this device admits more at the same iteration boundary
+                break
+            if active[d]:
+                wall[d] += t0 + t1 * len(active[d])
+                for seq in active[d]:
+                    seq[1] -= 1
+                    if seq[1] == 0:
+                        last[seq[0]], left[seq[0]] = max(last[seq[0]], wall[d]), left[seq[0]] - 1
+                active[d] = [seq for seq in active[d] if seq[1] > 0]
+                break
+            if queue[d] and gate[queue[d][0][0]] is not None:  # nothing to decode: idle until the gate
+                wall[d] = max(wall[d], gate[queue[d][0][0]])
+                break
+    while len(trained) < steps:
+        trained.append(max(last[len(trained)], trainer_free) + train[len(trained)])
+        trainer_free = trained[-1] + push
+    return np.array(trained)
+
+
+@pytest.mark.parametrize(
+    "g, eta, train_s, samples, slots",
+    [
+        (3, 0, 2e-4, 30, 8), (3, 1, 2e-4, 30, 8), (2, 2, 3e-3, 9, 8), (3, 3, 1e-5, 40, 8), (1, 1, 1e-3, 12, 8),
+        (2, 1, 2e-2, 7, 1), (2, 2, 2e-2, 9, 2),
+    ],
+)  # fmt: skip
+def test_async_matches_a_wall_clock_loop(g, eta, train_s, samples, slots):
+    """Queued batches (more samples than slots), drained tails and binding gates, against a plain event loop."""
+    costs = dataclasses.replace(
+        TINY, max_batch=slots, decode_tps=90.0 * slots, train_s_per_token=train_s, logprob_s_per_token=0.0,
+        weight_sync_s=0.15,
+    )  # fmt: skip
+    draws = tiny_draws(5, samples, seed=g + 10 * eta)
+    got = ps.simulate_async(draws, g, g + 2, eta, costs)
+    np.testing.assert_allclose(got.trained, wall_clock_async(draws, g, g + 2, eta, costs), rtol=1e-9)
+    assert np.all(got.generated <= got.trained)
+
+
+@pytest.mark.parametrize(
+    "slots, eta, push, train_s, draws",
+    [  # a sequence ends at the very iteration a batch is taken up (its finish is before that pause); found by fuzzing
+        (3, 1, 0.0, 5e-3, [[4, 4, 4, 4, 4], [1, 2], [4, 4, 2, 3]]),
+        (2, 1, 0.1, 1e-5, [[3, 4, 2, 4, 1], [2, 4, 2], [4, 3, 1, 2, 2, 1], [3, 1, 1]]),
+    ],
+)
+def test_async_ties_at_a_take_up_match_the_wall_clock_loop(slots, eta, push, train_s, draws):
+    costs = dataclasses.replace(
+        TINY, max_batch=slots, decode_tps=90.0 * slots, weight_sync_s=push, train_s_per_token=train_s,
+        logprob_s_per_token=0.0,
+    )  # fmt: skip
+    draws = [np.array(x, dtype=float) for x in draws]
+    got = ps.simulate_async(draws, 2, 3, eta, costs).trained
+    np.testing.assert_allclose(got, wall_clock_async(draws, 2, 3, eta, costs), rtol=1e-9)
+
+
+@pytest.mark.parametrize("samples", [20, 64])  # one batch a device, then queued (more than 8 slots)
+def test_async_eta0_is_the_synchronous_model(samples):
+    draws = tiny_draws(6, samples, seed=samples)
+    for g in (1, 2, 3):
+        sync = ps.sync_disaggregated(draws, g, 5, TINY)
+        got = ps.simulate_async(draws, g, 5, 0, TINY)
+        np.testing.assert_allclose(got.trained, sync.trained, rtol=1e-12)
+        np.testing.assert_allclose(got.generated, sync.generated, rtol=1e-12)
+        steps = [ps.simulate_generation(x, g, TINY).time + ps.train_seconds(x, 5 - g, TINY) for x in draws]
+        assert np.diff(sync.trained) == pytest.approx(np.array(steps[1:]) + TINY.weight_sync_s)
+
+
+def overlap_case(ratio: float):
+    """No spread, full batches (M / G = max_batch), no push: rollout R per batch, training T = ratio x R."""
+    g, n, steps = 2, 4, 12
+    base = dataclasses.replace(TINY, weight_sync_s=0.0, logprob_s_per_token=0.0)
+    draws = [np.full(g * base.max_batch, 30.0) for _ in range(steps)]
+    rollout = ps.simulate_generation(draws[0], g, base).time
+    per_token = ratio * rollout * (n - g) / (draws[0].sum() + draws[0].size * base.prompt_len)
+    return dataclasses.replace(base, train_s_per_token=per_token), draws, g, n, rollout
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 2.0])
+def test_async_without_spread_gains_the_pure_overlap_and_no_more(ratio):
+    costs, draws, g, n, rollout = overlap_case(ratio)
+    train = ratio * rollout
+    bound = (rollout + train) / max(rollout, train)
+    sync = ps.steady_throughput(ps.sync_disaggregated(draws, g, n, costs), draws)
+    for eta in (1, 2, 4):
+        gain = ps.steady_throughput(ps.simulate_async(draws, g, n, eta, costs), draws) / sync
+        assert gain == pytest.approx(bound, rel=1e-9), eta
+    # a push between steps only takes from it
+    pushed = dataclasses.replace(costs, weight_sync_s=0.2 * rollout)
+    sync = ps.steady_throughput(ps.sync_disaggregated(draws, g, n, pushed), draws)
+    assert ps.steady_throughput(ps.simulate_async(draws, g, n, 1, pushed), draws) / sync < bound
+
+
+def test_async_throughput_does_not_fall_with_eta():
+    points = ps.run_async(SMALL, [16], [0, 1, 2, 4, 8], sigma=0.6, steps=12)
+    ratios = [p.ratio for p in points]
+    assert all(b >= a * (1 - 1e-3) for a, b in zip(ratios, ratios[1:])), ratios
+    assert ratios[-1] > ratios[0] * 1.2  # a long tail: asynchrony pays
+    assert points[0].throughput == pytest.approx(
+        points[0].disaggregated
+    )  # eta 0 is synchronous disaggregated
+    # and at a fixed split, common random numbers: a looser bound never slows the steady state
+    draws = ps.step_lengths(SMALL, 16, 0.6, "weak", 0, 12 + 9)
+    rates = [ps.steady_throughput(ps.simulate_async(draws[: 12 + e + 1], 9, 16, e, SMALL), draws, 12)
+             for e in (1, 2, 4, 8)]  # fmt: skip
+    assert all(b >= a * (1 - 1e-3) for a, b in zip(rates, rates[1:])), rates
+
+
+def test_search_split_finds_the_peak():
+    assert ps.search_split(64, lambda g: -abs(g - 41)) == (41, 0)
+    assert ps.search_split(1024, lambda g: -abs(g - 700))[0] == pytest.approx(700, abs=16)
+    assert ps.search_split(2, lambda g: 1.0) == (1, 1.0)
+
+
+def test_main_async_prints_a_table_and_its_own_last_line(capsys, tmp_path):
+    small = tmp_path / "costs.json"
+    small.write_text(json.dumps({"prompts": 8, "samples_per_prompt": 4, "max_batch": 8, "decode_tps": 400.0}))
+    argv = [
+        "--async",
+        "--costs",
+        str(small),
+        "--async-devices",
+        "8",
+        "16",
+        "--async-etas",
+        "0",
+        "1",
+        "2",
+        "4",
+    ]
+    points = ps.main(argv + ["--async-steps", "8"])
+    text = capsys.readouterr().out
+    assert "x sync" in text and "AReaL" in text and "Verdict" not in text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("placement_sim_async: ")
+    values = dict(item.split("=") for item in last.split()[1:])
+    assert list(values) == [
+        "ratio_eta1", "ratio_eta2", "ratio_eta4", "saturates_at_eta", "areal_eta1", "areal_eta2",
+    ]  # fmt: skip
+    largest = {p.eta: p for p in points if p.devices == 16}
+    for eta in (1, 2, 4):
+        assert float(values[f"ratio_eta{eta}"]) == pytest.approx(largest[eta].ratio, abs=0.005)
+    assert int(values["saturates_at_eta"]) == ps.saturation_eta(list(largest.values()))
+    assert (values["areal_eta1"], values["areal_eta2"]) == ("2.09", "2.77")
+    assert ps.parse_args([]).run_async is False
