@@ -306,11 +306,8 @@ class FakePool:
         return self.version - version
 
 
-def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_staleness():
-    """`start` draws a later step's prompts and submits them; they stay unconsumed (held in flight, so the data
-    position keeps their epoch open) until `collect` takes them; each sample's staleness is reported, and a
-    step whose samples are older than rollout.max_staleness is generated again with the current weights,
-    counted."""
+def _async_collector(*overrides: str):
+    """A controller's collector for asynchronous rollout (max_staleness 1, 4 prompts a step) over a FakePool."""
     from yatt_ray.collector import RolloutCollector
     from yatt_ray.metrics.timeline import SpanRecorder
     from yatt_ray.metrics.timers import PhaseTimer
@@ -318,7 +315,7 @@ def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_st
     config = load_config(
         None,
         ["train.prompts_per_step=4", f"rollout.n={N_SAMPLES}", "rollout.max_staleness=1",
-         "placement.mode=disaggregated", "placement.rollout_engines=1"],
+         "placement.mode=disaggregated", "placement.rollout_engines=1", *overrides],
     )  # fmt: skip
     tokenizer, recorder = build_tokenizer(), SpanRecorder("trainer", "rank0", "cpu")
     collector = RolloutCollector(
@@ -326,6 +323,15 @@ def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_st
         reward_fn=exact_match, timer=PhaseTimer(recorder=recorder), recorder=recorder,
     )  # fmt: skip
     pool = collector.engine = FakePool(FakeEngine(tokenizer, []))
+    return collector, pool
+
+
+def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_staleness():
+    """`start` draws a later step's prompts and submits them; they stay unconsumed (held in flight, so the data
+    position keeps their epoch open) until `collect` takes them; each sample's staleness is reported, and a
+    step whose samples are older than rollout.max_staleness is generated again with the current weights,
+    counted."""
+    collector, pool = _async_collector()
     rows = {
         "id": list(range(16)),
         "prompt": ["1+2="] * 16,
@@ -367,21 +373,7 @@ def test_asynchronous_collection_with_dynamic_sampling_filters_what_was_generate
     """DAPO's filter on asynchronous rollout: the groups generated ahead are a draw; uniform ones are dropped
     (consumed), what is missing is drawn at once with the current weights, and informative groups past the
     share go back to the queue unconsumed."""
-    from yatt_ray.collector import RolloutCollector
-    from yatt_ray.metrics.timeline import SpanRecorder
-    from yatt_ray.metrics.timers import PhaseTimer
-
-    config = load_config(
-        None,
-        ["train.prompts_per_step=4", f"rollout.n={N_SAMPLES}", "rollout.max_staleness=1",
-         "placement.mode=disaggregated", "placement.rollout_engines=1", "algo.dynamic_sampling=reward"],
-    )  # fmt: skip
-    tokenizer, recorder = build_tokenizer(), SpanRecorder("trainer", "rank0", "cpu")
-    collector = RolloutCollector(
-        config, 0, 1, scorer=RewardScorer(config.reward, connect_timeout_s=5), tokenizer=tokenizer,
-        reward_fn=exact_match, timer=PhaseTimer(recorder=recorder), recorder=recorder,
-    )  # fmt: skip
-    pool = collector.engine = FakePool(FakeEngine(tokenizer, []))
+    collector, pool = _async_collector("algo.dynamic_sampling=reward")
     answers = ["9", "3", "9", "3", "3", "3", "3", "3", "3", "3", "3", "3"]  # "9": no sample right (uniform)
     rows = {
         "id": list(range(12)),
