@@ -22,8 +22,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check yatt_ray examples tests release
 	$(BIN)/mypy yatt_ray
 
+# the 30 slowest tests are listed at the end (CI keeps the tail of the output): where the suite's time goes
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # the tests that need no Ray cluster (about 70 seconds): for iteration; `make test` is what CI runs
 test-fast: $(STAMP)

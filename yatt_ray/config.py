@@ -381,7 +381,7 @@ class DemoConfig(_Section):
     task: DemoTask = "arithmetic"  # longtail: copy strings of heavy-tailed length (yatt_ray.tasks.longtail)
     vision_model: VisionDemoModel = "llava"  # task=vision: the tiny LLaVA, or the tiny Qwen2.5-VL
     sft_steps: int = 250
-    judge_sft_steps: int = 400  # the demo GenRM judge (built only when reward.mode uses a GenRM)
+    judge_sft_steps: int = 800  # the demo GenRM judge (built only when reward.mode uses a GenRM)
     max_operand: int = 19
     train_prompts: int = 4096
     eval_prompts: int = 128

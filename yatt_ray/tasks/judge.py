@@ -1,10 +1,15 @@
 """The embedded default judge: a tiny model taught to say whether a response matches the reference answer.
 
 The GenRM demo needs a judge whose verdict carries the signal, built locally like the policy. It is the
-tiny Llama with 4 layers instead of 2 (two layers did not learn to compare two numbers; four reach ~98% on
-held-out pairs after 400 steps), given `demo.judge_sft_steps` supervised steps on the demo judge template
-(`DEMO_TEMPLATE`) with balanced examples: the right answer, near misses (off by a few), other numbers and
-junk, each labelled "Y" (correct) or "N" (wrong). Users point `reward.genrm.path` at a real judge instead.
+tiny Llama with 4 layers instead of 2 (two layers did not learn to compare two numbers), given
+`demo.judge_sft_steps` supervised steps of 32 examples on the demo judge template (`DEMO_TEMPLATE`) with
+balanced examples: the right answer, near misses (off by a few), other numbers and junk, each labelled "Y"
+(correct) or "N" (wrong). Users point `reward.genrm.path` at a real judge instead.
+
+The same examples in 800 steps of 32 cost what 400 steps of 64 did (~30 s on 2 cores) and make a judge that the
+policy's near misses do not fool: wrongly said "Y" to 0-1% of answers off by 1-3, against 3-8% after 400 steps
+of 64 (two seeds, an AMD EPYC VM). A judge that says "Y" to 8% of near misses rewards a policy that makes them,
+and the GenRM run then learns the task slower than the rule does, by how much depending on the CPU's rounding.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def judge_examples(count: int, seed: int, max_operand: int) -> list[tuple[str, s
     return out
 
 
-def build_demo_judge(out_dir: Path, sft_steps: int, max_operand: int, batch: int = 64) -> Path:
+def build_demo_judge(out_dir: Path, sft_steps: int, max_operand: int, batch: int = 32) -> Path:
     """Random tiny Llama -> `sft_steps` AdamW steps on verdict tokens -> a Hugging Face directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
