@@ -161,8 +161,10 @@ def test_full_coexistence_releases_memory_between_phases(full):
 
 
 def test_partial_judges_while_rollouts_generate(partial):
-    """Engines and judges busy at the same time: in most steps a judge batch starts while the rollout still
-    runs (on the same accelerators: see above)."""
+    """Engines and judges busy at the same time (on the same accelerators: see above): in some steps a judge
+    batch starts while the rollout still runs. The demo's 6-token answers finish close together, so how many
+    steps show it depends on the machine's timing (12 and 18 of 40 on an AVX2-only EPYC VM, 20 or more on a
+    Xeon one); judging that waited for the rollout to end would show it in none."""
     trace = json.loads(Path(partial.output_dir, "timeline.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
     rollout: dict[int, tuple[float, float]] = {}
@@ -172,7 +174,7 @@ def test_partial_judges_while_rollouts_generate(partial):
             rollout[e["args"]["step"]] = (min(start, e["ts"]), max(end, e["ts"] + e["dur"]))
     judge_starts = [e["ts"] for e in spans if e["name"] == "judge"]
     overlapped = [s for s, (a, b) in rollout.items() if any(a <= t < b for t in judge_starts)]
-    assert len(overlapped) >= STEPS // 2, (
+    assert len(overlapped) >= STEPS // 8, (
         f"judging overlapped generation in {len(overlapped)} of {STEPS} steps"
     )
 
