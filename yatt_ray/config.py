@@ -132,6 +132,11 @@ class RolloutConfig(_Section):
     # prompts ahead while the trainer trains; a sample's weights are at most this many versions older than the
     # trainer's (0 = synchronous)
     max_staleness: int = 0
+    # engine actors: every request runs on exactly the weights it asks for (a push waits behind the older
+    # requests queued on an engine; no in-flight updates) and prompts go to engines by a fixed rule, not by load,
+    # so two runs with one seed produce the same samples, asynchronous ones included; costs up to max_staleness
+    # pushes kept in each engine's host memory and the load balance between engines
+    ordered: bool = False
 
 
 @dataclass

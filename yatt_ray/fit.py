@@ -356,6 +356,7 @@ def _start_engines(config: Config, plan):
         plan.engines.resources(),
         engine_kwargs(config, config.train.seed),
         config.rollout.weight_transport,
+        config.rollout.ordered,
     )
 
 

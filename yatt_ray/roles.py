@@ -179,4 +179,6 @@ def start_engine(config: Config, layout: Layout, policy: Any = None, pool: Any =
     weights = None
     if config.train.tp_size == 1 and policy is not None:
         weights = lambda: policy.iter_hf_buckets(bucket_bytes)  # noqa: E731
-    return EnginePool(pool, pusher=layout.dp_rank == 0, weights=weights, seed=seed, attempt=attempt)
+    return EnginePool(
+        pool, pusher=layout.dp_rank == 0, weights=weights, seed=seed, attempt=attempt, rank=layout.dp_rank
+    )

@@ -15,7 +15,14 @@ import torch
 from tests.rollout.conftest import PROMPTS, reference_greedy
 from yatt_ray.errors import YattError
 from yatt_ray.rollout.base import GenerateRequest, SamplingSpec, complete
-from yatt_ray.rollout.pool import EngineHandles, EnginePool, EngineRouter, start_engine_pool, stop_engine_pool
+from yatt_ray.rollout.pool import (
+    EngineHandles,
+    EnginePool,
+    EngineRouter,
+    spread,
+    start_engine_pool,
+    stop_engine_pool,
+)
 
 GREEDY = SamplingSpec(n=1, max_new_tokens=6, temperature=0.0)
 
@@ -157,3 +164,51 @@ def test_a_push_during_generation_continues_it_under_the_new_weights(engines, hf
         head = reference_greedy(old, prompt, k, stop_ids=())
         assert c.token_ids == head + reference_greedy(new, prompt + head, 60 - k, stop_ids=())
     _push(pool, old)
+
+
+def test_spread_is_a_fixed_rule_balanced_by_cost():
+    """`rollout.ordered` routing: heaviest first to the engine with the least of this request's work; ties by
+    position from the controller's start; the router's loads play no part."""
+    assert spread([5, 5, 5, 5], [0, 1], first=0) == [0, 1, 0, 1]
+    assert spread([5, 5, 5, 5], [0, 1], first=1) == [1, 0, 1, 0]  # another controller starts elsewhere
+    assert spread([1, 9, 4, 4], [0, 2], first=0) == [2, 0, 2, 2]  # 9 | 4 + 4 + 1, engine 1 avoided
+    assert spread([3, 3], [0, 1, 2], first=2) == [2, 0]
+
+
+@pytest.fixture(scope="module")
+def ordered_engine(ray_cluster, model_dirs):
+    handles = start_engine_pool(
+        "hf", str(model_dirs[0]), 1, {"CPU": 1}, {"seed": 0, "max_model_len": 128}, ordered=True
+    )
+    yield handles
+    stop_engine_pool(handles)
+
+
+def test_ordered_requests_run_on_exactly_the_weights_they_ask_for(ordered_engine, hf_models):
+    """rollout.ordered: requests sent before a push run on the old weights even when the push arrives while
+    they run or wait (held, not taken in flight); a request sent after it runs on the new ones. (Without
+    `ordered` the push reaches the running request in flight and the waiting one starts on it: see the test
+    above.)"""
+    old, new = hf_models
+    pool = _pool(ordered_engine, old)
+    start = pool.tag
+    (actor,) = ordered_engine.engines
+    spec = SamplingSpec(n=1, max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    first = pool.submit(GenerateRequest(PROMPTS, spec))
+    deadline = time.monotonic() + 30
+    while not ray.get(actor.info.remote())["running"]:
+        assert time.monotonic() < deadline, "the engine never started the request"
+    second = pool.submit(GenerateRequest(PROMPTS[:2], spec))  # waits behind the first, asking for `start`
+    for bucket in _buckets(new):
+        pool.load_weights(bucket)
+    pool.finish_weight_sync()  # not waited for: the engine keeps it behind the two older requests
+    pool.wait_applied()
+    third = pool.submit(GenerateRequest(PROMPTS[:2], spec))  # asks for the new weights
+    for generation, model in ((first, old), (second, old), (third, new)):
+        out = complete(pool.wait(generation))
+        want = start if model is old else pool.tag
+        assert generation.versions == [want] * len(out)
+        prompts = generation.request.prompts
+        assert [o[0].token_ids for o in out] == [reference_greedy(model, p, 60, stop_ids=()) for p in prompts]
+    info = ray.get(actor.info.remote())
+    assert info["in_flight_pushes"] == 0 and info["kept_pushes"] == 0 and info["version"] == pool.tag, info

@@ -56,7 +56,9 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 class EngineActor:
     """One rollout engine in an actor of its own (`make_engine` inside), with the weight version it holds."""
 
-    def __init__(self, kind: str, model_dir: str, threads: int, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, kind: str, model_dir: str, threads: int, engine_kwargs: dict[str, Any], ordered: bool = False
+    ) -> None:
         from yatt_ray.rollout import make_engine
 
         if threads > 0:
@@ -69,7 +71,12 @@ class EngineActor:
         self.group: Any = None
         self.store: Any = None
         self.staged: list[Bucket] = []  # buckets received through the broadcast group, not applied yet
-        self.pending: tuple[Tag, list[Bucket]] | None = None  # a push that came while a request ran
+        # pushes not applied yet, oldest first: the newest only, unless `ordered`
+        self.pending: list[tuple[Tag, list[Bucket]]] = []
+        # rollout.ordered: a request runs on exactly the version it asks for; a push waits behind the requests
+        # asking for older versions (`asked`: the versions of the requests waiting or running)
+        self.ordered = ordered
+        self.asked: list[Tag] = []
         self.running = False  # a request holds the engine
         self.in_flight_pushes = 0  # pushes applied between the decode steps of a running request
 
@@ -81,6 +88,7 @@ class EngineActor:
             "pid": os.getpid(),  # a new one after a restart
             "version": self.version,
             "in_flight_pushes": self.in_flight_pushes,
+            "kept_pushes": len(self.pending),
             "running": self.running,
             "takes_image_features": bool(getattr(self.engine, "takes_image_features", False)),
         }
@@ -93,19 +101,24 @@ class EngineActor:
         reported (asynchronous rollout). One request runs at a time. An engine that takes weights in flight
         (`in_flight_updates`: the HF engine on a text model) applies a push that arrives meanwhile between
         two decode steps, and the request's unfinished completions continue under it (each token's version
-        in `Completion.versions`); other engines apply it when the request ends."""
+        in `Completion.versions`); other engines apply it when the request ends. `ordered`: no push is applied
+        in flight, and none past `version` before this request ran, so it runs on `version` exactly (unless
+        the engine restarted meanwhile and was given newer weights)."""
         if pid != os.getpid():
             return None
         with self.ready:
+            self.asked.append(version)
+            self._apply_pending()  # the pushes this request waits for, if nothing older waits
             if not self.ready.wait_for(
                 lambda: not self.running and self.version >= version, GROUP_TIMEOUT.total_seconds()
             ):
+                self.asked.remove(version)
                 raise YattError(
                     f"rollout engine: weights of version {version} never arrived (holds {self.version})"
                 )
             self.running, start = True, self.version
         try:
-            if getattr(self.engine, "in_flight_updates", False):
+            if getattr(self.engine, "in_flight_updates", False) and not self.ordered:
                 engine: Any = (
                     self.engine
                 )  # `generate` with `updates` (not part of the RolloutEngine protocol)
@@ -116,35 +129,52 @@ class EngineActor:
         finally:
             with self.ready:
                 self.running = False
-                self._take_pending()
+                self.asked.remove(version)
+                self._apply_pending()
                 self.ready.notify_all()
 
     def apply(self, version: Tag, *buckets: Bucket) -> None:
         """Every bucket of weight `version`, then the version: at once when no request runs, else kept until
-        the running request reaches a decode step boundary (or its end). Older than what it holds or keeps:
-        skipped (pushes are sent without waiting, so two may arrive out of order)."""
+        the running request reaches a decode step boundary (or its end). Pushes are sent without waiting, so
+        two may arrive out of order: one older than what the engine holds is skipped, and so is one older than
+        a kept push (unless `ordered`, where each is kept, in order, until no request asks for older weights)."""
         with self.ready:
-            newest = self.version if self.pending is None else max(self.version, self.pending[0])
-            if version <= newest:
+            kept = [v for v, _ in self.pending]
+            if version <= self.version or version in kept or (not self.ordered and kept and version < kept[-1]):
                 return
-            self.pending = (version, list(buckets))
-            if not self.running:
+            self.pending = sorted([*self.pending, (version, list(buckets))] if self.ordered else
+                                  [(version, list(buckets))], key=lambda p: p[0])  # fmt: skip
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """Load the kept pushes that may be loaded now: none while a request runs (it takes them itself, between
+        decode steps, `_take_pending`); `ordered`: oldest first, each only once no request asks for older."""
+        with self.ready:
+            if self.running:
+                return
+            if not self.ordered:
                 self._take_pending()
+            while self.pending and all(v >= self.pending[0][0] for v in self.asked):
+                self._load(*self.pending.pop(0))
 
     def _take_pending(self) -> Tag | None:
-        """Load the kept push, if any (the caller holds the engine: no request runs, or between two of its
-        decode steps); return its version, or None."""
+        """Load the newest kept push, if any, dropping older ones (the caller holds the engine: no request
+        runs, or between two of its decode steps); return its version, or None."""
         with self.ready:
-            if self.pending is None:
+            if not self.pending:
                 return None
-            (version, buckets), self.pending = self.pending, None
-            for bucket in buckets:
-                self.engine.load_weights(bucket)
-            self.engine.finish_weight_sync()
-            self.version = version
-            self.in_flight_pushes += int(self.running)
-            self.ready.notify_all()
+            version, buckets = self.pending[-1]
+            self.pending = []
+            self._load(version, buckets)
             return version
+
+    def _load(self, version: Tag, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            self.engine.load_weights(bucket)
+        self.engine.finish_weight_sync()
+        self.version = version
+        self.in_flight_pushes += int(self.running)
+        self.ready.notify_all()
 
     def finish_weight_sync(self, version: Tag) -> None:
         """The end of a push through the broadcast group: the buckets `receive` staged, applied at once (a
@@ -174,7 +204,7 @@ class _Pending:
     actor: EngineActor
 
     def ready(self) -> bool:
-        return self.actor.pending is not None
+        return bool(self.actor.pending)
 
     def take(self) -> Tag | None:
         return self.actor._take_pending()
@@ -200,6 +230,7 @@ class EngineHandles:
     engines: list[Any]
     router: Any
     transport: str  # auto | object_store | broadcast (rollout.weight_transport)
+    ordered: bool = False  # rollout.ordered: exact versions, prompts routed by a fixed rule (`spread`)
 
 
 class EngineRouter:
@@ -226,12 +257,28 @@ class EngineRouter:
         return list(self.load)
 
 
+def spread(costs: list[int], engines: list[int], first: int) -> list[int]:
+    """An engine per prompt by a fixed rule (`rollout.ordered`): heaviest prompt first (ties by index), each to
+    the engine with the least of this request's work, ties to the engine nearest after position `first` of
+    `engines` (a controller's rank: controllers start on different engines). The same costs give the same
+    assignment whatever else the engines are doing."""
+    rank = {e: (k - first) % len(engines) for k, e in enumerate(engines)}
+    load = dict.fromkeys(engines, 0)
+    assigned = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        engine = min(engines, key=lambda e: (load[e], rank[e]))
+        assigned[i] = engine
+        load[engine] += costs[i]
+    return assigned
+
+
 def start_engine_pool(
     kind: str, model_dir: str, count: int, resources: dict[str, float], engine_kwargs: dict[str, Any],
-    transport: str = "auto",
+    transport: str = "auto", ordered: bool = False,
 ) -> EngineHandles:  # fmt: skip
     """The driver's part: `count` engine actors with `resources` each ({"CPU": c, "GPU": 1}) and the router.
-    Each engine restarts when it dies (its sub-requests are sent again by the pools)."""
+    Each engine restarts when it dies (its sub-requests are sent again by the pools). `ordered`: see
+    `rollout.ordered`."""
     import ray
 
     threads = int(resources.get("CPU", 0))
@@ -241,12 +288,14 @@ def start_engine_pool(
         max_concurrency=32,  # requests waiting for a push's version must leave a thread for the push
     )  # fmt: skip
     engines: list[Any] = [
-        actor.remote(kind, model_dir, threads, {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i})
+        actor.remote(
+            kind, model_dir, threads, {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i}, ordered
+        )
         for i in range(count)
     ]
     router = ray.remote(EngineRouter).options(num_cpus=0).remote(count)
     ray.get([e.info.remote() for e in engines])  # started (models loaded) before the trainers need them
-    return EngineHandles(engines, router, transport)
+    return EngineHandles(engines, router, transport, ordered)
 
 
 def stop_engine_pool(handles: EngineHandles) -> None:
@@ -261,14 +310,16 @@ class EnginePool:
 
     `pusher`: this controller pushes weights (data-parallel group 0's); `weights`: gathers the policy's buckets
     for a restarted engine (None when gathering needs other ranks, tp_size > 1); `seed`: this controller's
-    sampling stream."""
+    sampling stream; `rank`: its data-parallel rank (where `ordered` routing starts)."""
 
     def __init__(
-        self, handles: EngineHandles, pusher: bool, weights: Weights | None, seed: int, attempt: int = 1
-    ) -> None:
+        self, handles: EngineHandles, pusher: bool, weights: Weights | None, seed: int, attempt: int = 1,
+        rank: int = 0,
+    ) -> None:  # fmt: skip
         import ray
 
         self.engines, self.router, self.transport = handles.engines, handles.router, handles.transport
+        self.ordered, self.rank = handles.ordered, rank
         self.pusher, self.weights, self.seed = pusher, weights, seed
         infos = ray.get([e.info.remote() for e in self.engines])
         self.takes_image_features = infos[0]["takes_image_features"]
@@ -335,7 +386,8 @@ class EnginePool:
         while g.pending:
             [ref], _ = ray.wait(list(g.pending), num_returns=1)
             engine, idxs = g.pending.pop(ref)
-            self.router.release.remote(engine, sum(g.costs[i] for i in idxs))
+            if not self.ordered:  # ordered routing does not count loads
+                self.router.release.remote(engine, sum(g.costs[i] for i in idxs))
             out = self._result(ref, engine)
             if out is None:  # died or stale: the same prompts again, after weights reached that engine
                 if not self._refresh(engine):
@@ -363,7 +415,11 @@ class EnginePool:
                 f"{len(self.engines)} restarted since the last push and this controller cannot push them alone "
                 "(train.tp_size > 1); the run restarts from its last checkpoint"
             )
-        assigned = ray.get(self.router.assign.remote([costs[i] for i in idxs], sorted(avoid)))
+        if self.ordered:
+            usable = [e for e in range(len(self.engines)) if e not in avoid]
+            assigned = spread([costs[i] for i in idxs], usable, self.rank % len(usable))
+        else:
+            assigned = ray.get(self.router.assign.remote([costs[i] for i in idxs], sorted(avoid)))
         by_engine: dict[int, list[int]] = {}
         for i, engine in zip(idxs, assigned):
             by_engine.setdefault(engine, []).append(i)
