@@ -15,8 +15,9 @@ feed. It runs without a cluster given an engine, a scorer and a feed (tests/unit
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ class InFlight:
     rows: list  # FeedRow, popped from the feed and not yet consumed
     encoded: list  # their EncodedPrompt
     generation: Any  # rollout.pool.Generation
+    streamed: set[int] = field(default_factory=set)  # prompts whose samples went to the GenRM
+    judging: threading.Thread | None = None  # streams them as they finish, while the trainer trains
 
 
 class RolloutCollector:
@@ -83,6 +86,7 @@ class RolloutCollector:
         self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
         self.step_rows: list = []  # the prompt rows the latest step consumed (trained on, or dropped)
         self.inflight: dict[int, InFlight] = {}  # asynchronous rollout: steps whose prompts are generating
+        self.streaming = threading.Lock()  # one submitter at a time: this thread or an InFlight's `judging`
         self.stop_ids = tuple({tokenizer.eos_token_id} - {None})
         layout = ImageLayout.from_model_dir(config.model.path)  # None for a text policy
         self.prompts = PromptEncoder(
@@ -166,7 +170,39 @@ class RolloutCollector:
         rows = self.feed.pop(want)
         encoded = [self.prompts.encode(r.row) for r in rows]
         request = GenerateRequest([e.ids for e in encoded], self.sampling(), images=self.images(encoded))
-        self.inflight[step] = InFlight(rows, encoded, self.engine.submit(request))
+        job = self.inflight[step] = InFlight(rows, encoded, self.engine.submit(request))
+        if self.streams_to_genrm:  # judged as they finish, while this process trains the steps before
+            parts = dict(job.generation.pending)  # {ref: (engine, prompt indices)}, before `wait` takes them
+            job.judging = threading.Thread(target=self._judge_ahead, args=(step, job, parts), daemon=True)
+            job.judging.start()
+
+    def _judge_ahead(self, step: int, job: InFlight, parts: dict[Any, tuple[int, list[int]]]) -> None:
+        """Stream each prompt of `job` to the GenRM as its engine returns it (a thread: the trainer meanwhile
+        trains). Reads the engines' answers only: a failed or restarted engine's prompts are left to
+        `collect_started`, which sends them again and streams what this did not."""
+        import ray
+
+        waiting = list(parts)
+        while waiting:
+            [ref], waiting = ray.wait(waiting, num_returns=1)
+            try:
+                out = ray.get(ref)
+            except Exception:  # noqa: BLE001  (an engine that died: collect_started sends the prompts again)
+                continue
+            if out is not None:
+                for i, completions in zip(parts[ref][1], out[0]):
+                    if completions is not None:
+                        self._stream(step, job, i, completions)
+
+    def _stream(self, step: int, job: InFlight, i: int, completions: list) -> None:
+        """Prompt `i` of `job` to the GenRM, once."""
+        with self.streaming:
+            if i not in job.streamed:
+                job.streamed.add(i)
+                self.scorer.submit(self._ahead_samples(step, job, i, completions))
+
+    def _ahead_samples(self, step: int, job: InFlight, i: int, completions: list) -> list[Sample]:
+        return self._samples(f"{step}/{self.dp_rank}/a", i, job.rows[i].row, job.encoded[i].text, completions)
 
     def collect_started(self, step: int) -> RolloutBatch:
         """The batch of a step started earlier (or now: a run's first step, the first after a resume): wait for
@@ -177,20 +213,19 @@ class RolloutCollector:
         (`async/aged_out`), never dropped."""
         self.start(step)
         job = self.inflight.pop(step)
-        self.step_rows, streamed = [], set()
+        self.step_rows, streamed = [], job.streamed
 
         def samples(i: int, completions: list) -> list[Sample]:
-            return self._samples(
-                f"{step}/{self.dp_rank}/a", i, job.rows[i].row, job.encoded[i].text, completions
-            )
+            return self._ahead_samples(step, job, i, completions)
 
         def finished(i: int, completions: list) -> None:
             if self.streams_to_genrm:
-                streamed.add(i)
-                self.scorer.submit(samples(i, completions))
+                self._stream(step, job, i, completions)
 
         with self.timer.phase("rollout"):
             outs = complete(self.engine.wait(job.generation, finished))
+            if job.judging is not None:  # it read the same answers: done, or about to be
+                job.judging.join()
             ages = [self.engine.age(v) for v in job.generation.versions]
             aged = [i for i, age in enumerate(ages) if age > self.config.rollout.max_staleness]
             if aged:  # generated again now, with the trainer's weights

@@ -25,6 +25,9 @@ BAD = {3: "corrupt", 11: "missing"}  # row id -> what is wrong with its image
 # the good rows with an image; the other 15 have none. Steps 1-2 train 4 batches of 4 prompts (4 a rank) of
 # epoch 0's 18 good rows, so at most 3 of them hold an image: some rank's whole batch has none
 IMAGE_ROWS = {0, 7, 15}
+# the resume's placement: an engine actor of its own (a logical GPU of the shared cluster), a step ahead
+ENGINE_AHEAD = ("placement.mode=disaggregated", "placement.rollout_engines=1", "cluster.use_gpu=true",
+                "cluster.cpus_per_worker=1", "rollout.max_staleness=1")  # fmt: skip
 
 
 def without_images(rows: list[dict], keep: set) -> list[dict]:
@@ -140,11 +143,16 @@ def test_export_is_a_llava_directory_with_a_trained_projector(first_run, vision_
 
 
 def test_resume_with_images_consumes_each_prompt_once_per_epoch(first_run, vision_data):
+    """Resumed on another placement: one engine actor on an accelerator of its own generating a step ahead
+    (asynchronous rollout), so each image prompt travels to it beside the trainers' copy."""
     model, data, _, tmp = vision_data
     out = tmp / "run"
-    resumed = vision_run(model, data, out, 5)  # resumes from the first run's last checkpoint (step 3)
+    # resumes from the first run's last checkpoint (step 3)
+    resumed = vision_run(model, data, out, 5, *ENGINE_AHEAD)
     steps = [int(r["step"]) for r in resumed.history if "reward_mean" in r]
     assert steps == [1, 2, 3, 4, 5] and resumed.steps_redone == 0  # one curve, nothing trained twice
+    assert resumed.metric("async/staleness_max")[-1] == 1  # step 5 was generated during step 4
+    assert [r["samples"] for r in resumed.history if "reward_mean" in r][3:] == [PROMPTS * 4] * 2
     audit = prompt_audit(str(out / "ckpt"))
     assert audit.steps == 5 and audit.prompts >= 5 * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit

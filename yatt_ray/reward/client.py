@@ -16,6 +16,7 @@ request that has already been assigned to a replica") is filtered out: the clien
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -57,21 +58,25 @@ class GenRMClient:
             serve_log.addFilter(_not_a_cancel_note)
         self.pending: dict[str, _Pending] = {}
         self.retries = 0
+        # asynchronous rollout submits from a thread (samples generated ahead, judged while the trainer trains)
+        self.lock = threading.RLock()
 
     def submit(self, requests: list[JudgeRequest]) -> None:
-        for r in requests:
-            if r.key in self.pending:
-                raise GenRMError(
-                    f"GenRM request key {r.key!r} submitted twice; keys must be unique per sample"
-                )
-            self.pending[r.key] = _Pending(r, self.handle.judge.remote(r))
+        with self.lock:
+            for r in requests:
+                if r.key in self.pending:
+                    raise GenRMError(
+                        f"GenRM request key {r.key!r} submitted twice; keys must be unique per sample"
+                    )
+                self.pending[r.key] = _Pending(r, self.handle.judge.remote(r))
 
     def collect(self, keys: Iterable[str] | None = None) -> dict[str, Verdict]:
         """The verdicts of `keys` (default: every pending sample), by key; they leave the pending set, the
         other samples stay in it (still being judged). A key that is not pending (never submitted, or already
         collected or discarded) raises `GenRMError`: each sample's verdict is read once."""
-        wanted = list(self.pending) if keys is None else list(keys)
-        unknown = [k for k in wanted if k not in self.pending]
+        with self.lock:
+            wanted = list(self.pending) if keys is None else list(keys)
+            unknown = [k for k in wanted if k not in self.pending]
         twice = [k for k, count in Counter(wanted).items() if count > 1]
         if unknown or twice:
             raise GenRMError(
@@ -82,13 +87,18 @@ class GenRMClient:
         done: dict[str, Verdict] = {}
         for key in wanted:
             while key not in done:
-                item = self.pending[key]
+                with self.lock:
+                    item = self.pending[key]
                 left = max(self.timeout_s - (time.time() - item.sent_at), 0.01)
                 try:
-                    done[key] = item.response.result(timeout_s=left)
-                    del self.pending[key]
+                    verdict = item.response.result(timeout_s=left)
                 except Exception as exc:  # a dead replica, a timeout, a failed batch: send the sample again
-                    self._retry(key, item, exc)
+                    with self.lock:
+                        self._retry(key, item, exc)
+                    continue
+                with self.lock:
+                    done[key] = verdict
+                    del self.pending[key]
         return done
 
     def discard(self, keys: Iterable[str]) -> int:
@@ -97,11 +107,12 @@ class GenRMClient:
         thrown away) and forgotten. Keys that are not pending are skipped (a sample that was never submitted).
         Returns the number dropped."""
         dropped = 0
-        for key in keys:
-            item = self.pending.pop(key, None)
-            if item is not None:
-                item.response.cancel()
-                dropped += 1
+        with self.lock:
+            for key in keys:
+                item = self.pending.pop(key, None)
+                if item is not None:
+                    item.response.cancel()
+                    dropped += 1
         return dropped
 
     def _retry(self, key: str, item: _Pending, exc: Exception) -> None:

@@ -23,6 +23,10 @@ engine.
   can gather them alone, `train.tp_size=1`) or to another engine. The collector gets every prompt back.
 - Sampling: a request without a seed gets one from the controller's seed and a call counter (the pool's
   checkpointed random state), so a run given the same routing samples the same again.
+- `rollout.ordered`: routing by a fixed rule (`spread`) instead of the router's loads, and each request on
+  exactly the weight version it asks for: an engine keeps pushes in version order and applies the next only
+  once no request waiting or running asks for older weights (none in flight). Two runs with one seed then
+  generate the same samples, asynchronous ones too.
 """
 
 from __future__ import annotations
@@ -140,10 +144,11 @@ class EngineActor:
         a kept push (unless `ordered`, where each is kept, in order, until no request asks for older weights)."""
         with self.ready:
             kept = [v for v, _ in self.pending]
-            if version <= self.version or version in kept or (not self.ordered and kept and version < kept[-1]):
+            newest = max([self.version, *kept]) if not self.ordered else self.version
+            if version <= newest or version in kept:
                 return
-            self.pending = sorted([*self.pending, (version, list(buckets))] if self.ordered else
-                                  [(version, list(buckets))], key=lambda p: p[0])  # fmt: skip
+            push = (version, list(buckets))
+            self.pending = sorted([*self.pending, push], key=lambda p: p[0]) if self.ordered else [push]
             self._apply_pending()
 
     def _apply_pending(self) -> None:
