@@ -108,6 +108,27 @@ def test_verdicts_follow_the_reference(two_replicas):
     assert agree >= 180, f"the judge agreed with the reference on {agree} of 200"
 
 
+def test_the_demo_judge_rejects_near_misses(two_replicas):
+    """The policy's usual mistakes are answers off by 1-3: a judge that says yes to a few percent of them pays
+    for near misses and the GenRM learning run stalls (the 400-step judge said yes to 3-8% of them; the
+    800-step one to 0-1%)."""
+    rng = random.Random(5)
+    batch = []
+    for i in range(400):
+        a, b = rng.randint(0, 19), rng.randint(0, 19)
+        off = 0 if i < 100 else rng.choice([-3, -2, -1, 1, 2, 3])
+        if a + b + off < 0:
+            off = -off
+        batch.append(JudgeRequest(f"near{i}:{off}", f"{a}+{b}=", str(a + b + off), str(a + b)))
+    client = GenRMClient(timeout_s=60, max_retries=2, connect_timeout_s=60)
+    client.submit(batch)
+    verdicts = client.collect()
+    yes_right = sum(v.score == 1.0 for k, v in verdicts.items() if k.endswith(":0"))
+    yes_near = sum(v.score == 1.0 for k, v in verdicts.items() if not k.endswith(":0"))
+    assert yes_right >= 90, f"the judge accepted {yes_right} of 100 right answers"
+    assert yes_near <= 9, f"the judge accepted {yes_near} of 300 answers off by 1-3"
+
+
 def test_requests_are_batched_on_the_replicas(two_replicas):
     """Each replica runs several requests per engine call (Serve's router may favour one replica on a busy
     machine, so the count is over the replicas that answer)."""
