@@ -181,12 +181,18 @@ def _check_judge(config: Config) -> None:
 
 
 def _kernels(config: Config, cpus_per_worker: int) -> str:
-    """The CPU kernels the workers will run, measured here once per machine and shape (`train.kernels`): on a
-    one-machine cluster the workers find the result in the cache; on others each machine measures its own."""
+    """The CPU kernels the workers will run and the matmul peak their MFU is measured against, measured here once
+    per machine and shape (`train.kernels`, `metrics.flops.cpu_peak`): on a one-machine cluster the workers find
+    the results in the cache; on others each machine measures its own."""
+    from yatt_ray.metrics.flops import cpu_peak
     from yatt_ray.train.kernels import kernels_for
+    from yatt_ray.train.trainer_base import DTYPES
 
     choice = kernels_for(config.model.path, cpus_per_worker, config.train.dtype)
-    return choice.describe() if choice else "kernels: CUDA"
+    if choice is None:
+        return "kernels: CUDA"
+    peak, _ = cpu_peak(choice.threads, DTYPES[config.train.dtype])  # the workers' MFU denominator, cached
+    return f"{choice.describe()}; matmul peak {peak / 1e9:.0f} GFLOP/s"
 
 
 def _model_sizes(config: Config):

@@ -97,3 +97,18 @@ def test_the_chosen_linear_kernel_is_the_one_that_runs(monkeypatch, single_proce
     finally:
         K.apply_kernels(None)
     torch.testing.assert_close(outputs["mkl"], outputs["onednn"], atol=1e-4, rtol=1e-4)
+
+
+def test_linear_rates_rank_a_kernel_that_does_twice_the_work_below_the_real_one():
+    """`linear_rates` times the model's own layers (q/k/v, output, MLP in and out), kernels taking turns."""
+    assert K.linear_shapes(SHAPE) == [(96, 96 + 2 * 32), (96, 96), (96, 320), (160, 96)]
+
+    def real(a, b):
+        return torch.matmul(a, b.t())
+
+    def twice(a, b):
+        real(a, b)
+        return real(a, b)
+
+    rates = K.linear_rates(SHAPE, torch.float32, {"real": real, "twice": twice}, tokens=256, rounds=3)
+    assert rates["twice"] < 0.8 * rates["real"]

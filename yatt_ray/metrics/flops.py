@@ -120,13 +120,15 @@ def cuda_matmul_dtype(dtype: torch.dtype) -> str:
 def measure_matmul_flops(
     threads: int,
     size: int = 1024,
-    seconds: float = 0.3,
-    trials: int = 3,
+    seconds: float = 1.0,
+    trials: int = 5,
     dtype: torch.dtype = torch.float32,
 ) -> float:
     """The CPU's matmul FLOP/s in `dtype` with `threads` torch threads: 2 n^3 per [n, n] x [n, n] product, the best
     of `trials` windows of `seconds / trials` each after one warm-up product (the best, so that a moment of
-    contention from another process does not lower the peak), over both GEMM libraries of the torch build:
+    contention from another process does not lower the peak: measured at 0.3 s in three windows while a Ray
+    cluster started beside it, one AVX2 EPYC gave 96 GFLOP/s where it reaches 130-160 idle), over both GEMM
+    libraries of the torch build:
     MKL (`torch.matmul`) and oneDNN (what the trainer's linear layers and vLLM use on the CPU; on AMD CPUs MKL
     reaches well under half of it). The caller's thread count is restored."""
     from yatt_ray.train.cpu_shims import onednn_linear_available, onednn_mm_t
@@ -160,7 +162,7 @@ def worker_perf_model(
 ) -> PerfModel:
     """This worker's PerfModel: `cluster.peak_flops` when set, else the table for its CUDA device and `dtype`,
     else (CPU) a measured matmul peak in `dtype` with its `threads` (measured once per machine and cached
-    beside the kernel choices, `train.kernels.cache_path()`: ~0.7 s off every later start)."""
+    beside the kernel choices, `train.kernels.cache_path()`: ~2 s off every later start; `cpu_peak`)."""
     flops = ModelFlops.from_shape(shape)
     if override is not None:
         return PerfModel(flops, override, "cluster.peak_flops")
@@ -169,6 +171,15 @@ def worker_perf_model(
         peak = table_peak(name, key)
         source = f"table: {name} {key}" if peak else f"unknown: {name} {key} (set cluster.peak_flops)"
         return PerfModel(flops, peak, source)
+    peak, source = cpu_peak(threads, dtype)
+    return PerfModel(flops, peak, source)
+
+
+def cpu_peak(threads: int, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """(FLOP/s, where it came from): this CPU's matmul peak in `dtype` with `threads`, measured once per machine,
+    dtype and thread count and cached beside the kernel choices (`train.kernels.cache_path()`; the driver
+    measures it while it plans, so a one-machine cluster's workers read it instead of measuring while the
+    others start)."""
     from yatt_ray.train.cpu_shims import onednn_linear_available
     from yatt_ray.train.kernels import cache_key, cached_measurement
 
@@ -176,11 +187,8 @@ def worker_perf_model(
     # best at its fp32 rate, which is then the peak (its bf16 GEMMs measure far below it, size-dependent).
     native = dtype == torch.float32 or onednn_linear_available(dtype)
     peak_dtype = dtype if native else torch.float32
-    key = cache_key("peak-v1", peak_dtype, threads)  # measured once per machine, dtype and thread count
+    key = cache_key("peak-v3", peak_dtype, threads)
     name = "bf16" if peak_dtype == torch.bfloat16 else "fp32"
-    return PerfModel(
-        flops,
-        cached_measurement(key, lambda: measure_matmul_flops(threads, dtype=peak_dtype), float),
-        f"measured: {name} matmul (best of MKL, oneDNN), {threads} thread(s)"
-        + ("" if native else "; this CPU has no bf16 matmul units"),
-    )
+    peak = cached_measurement(key, lambda: measure_matmul_flops(threads, dtype=peak_dtype), float)
+    source = f"measured: {name} matmul (best of MKL, oneDNN), {threads} thread(s)"
+    return peak, source + ("" if native else "; this CPU has no bf16 matmul units")

@@ -5,8 +5,11 @@ GEMMs at 470 GFLOP/s and MKL (`torch.matmul`) at 190; on another, AVX2-only, the
 trainer does not assume; a worker measures, at its model's shapes, in its dtype and with the threads it was given:
 
   - linear: oneDNN (`cpu_shims.OneDnnLinear`) or MKL (`torch.matmul`) for Megatron's linear layers, by the
-    rate of [2048, hidden] x [hidden, ffn] products, forward and the two backward layouts;
-  - threads: the intra-op thread count from 1 to the worker's CPUs that runs that product fastest;
+    rate of the model's own four linear layers at 512 tokens, forward and the two backward products, the two
+    kernels taking turns (`linear_rates`; on one AVX2 EPYC a first, shorter measurement of one square-ish
+    product picked oneDNN at 88 against 76 GFLOP/s, where the layers of a 25M-100M model run at 115-170 on MKL and 80-140
+    on oneDNN);
+  - threads: the intra-op thread count from 1 to the worker's CPUs that runs those layers fastest;
   - attention: grouped-query attention through the fused kernel's own GQA support (`enable_gqa`) or with the
     key / value heads expanded first, by the time of a fused forward + backward (`attention.packed_attention`);
     and up to which packed-row length whole rows with their visibility mask beat the per-sample causal calls
@@ -75,7 +78,7 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     measured now (about a second) and cached. The caller's thread count is restored."""
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
-    key = cache_key("v3", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
+    key = cache_key("v4", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
                     shape.num_kv_heads, shape.head_dim, onednn_linear_available(dtype))  # fmt: skip
     return cached_measurement(
         key, lambda: asdict(_measure(shape, max(1, max_threads), dtype)), lambda v: KernelChoice(**v)
@@ -122,19 +125,15 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
     rates: dict[str, float] = {}
     try:
         torch.set_num_threads(max_threads)
-        x = torch.randn(2048, shape.hidden_size, dtype=dtype)
-        w = torch.randn(shape.ffn_hidden_size, shape.hidden_size, dtype=dtype)
         kernels = {"mkl": lambda a, b: torch.matmul(a, b.t())}
         if onednn_linear_available(dtype):
             kernels["onednn"] = onednn_mm_t
-        for name, mm in kernels.items():
-            rates[f"linear_{name}"] = _gemm_rate(mm, x, w)
+        rates.update({f"linear_{k}": r for k, r in linear_rates(shape, dtype, kernels).items()})
         linear = max(kernels, key=lambda k: rates[f"linear_{k}"])
-        for t in range(1, max_threads + 1):
+        rates[f"threads_{max_threads}"] = rates[f"linear_{linear}"]
+        for t in range(1, max_threads):
             torch.set_num_threads(t)
-            rates[f"threads_{t}"] = (
-                rates[f"linear_{linear}"] if t == max_threads else _gemm_rate(kernels[linear], x, w)
-            )
+            rates[f"threads_{t}"] = linear_rates(shape, dtype, {linear: kernels[linear]}, rounds=2)[linear]
         threads = max(range(1, max_threads + 1), key=lambda t: rates[f"threads_{t}"])
         torch.set_num_threads(threads)
         gqa = "native"
@@ -157,25 +156,42 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
 ROW_LENGTHS = (64, 128, 256, 512)  # packed-row lengths tried for `dense_rows`, shortest first
 
 
-def _gemm_rate(mm, x: torch.Tensor, w: torch.Tensor, seconds: float = 0.09) -> float:
-    """GFLOP/s of the forward product x w^T and the backward ones (g w, g^T x), best of three windows."""
-    g = torch.randn(x.shape[0], w.shape[0], dtype=x.dtype)
-    flops = 3 * 2.0 * x.shape[0] * x.shape[1] * w.shape[0]
+def linear_shapes(shape) -> list[tuple[int, int]]:
+    """(in, out) features of a decoder layer's four linear layers: q/k/v, attention output, MLP gate + up and
+    MLP down (what one token costs: 2 x sum(in x out) FLOPs forward, twice that backward)."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    return [(h, q + 2 * kv), (q, h), (h, 2 * f), (f, h)]
 
-    def once():
-        mm(x, w)
-        mm(g, w.t())
-        mm(g.t(), x.t())
 
-    once()
-    best = 0.0
-    for _ in range(3):
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 3:
-            once()
-            count += 1
-        best = max(best, flops * count / (time.perf_counter() - start) / 1e9)
-    return best
+def linear_rates(
+    shape, dtype: torch.dtype, kernels: dict, tokens: int = 512, rounds: int = 4
+) -> dict[str, float]:
+    """GFLOP/s of each kernel (name -> mm(a [M, K], b [N, K]) = a b^T) over one decoder layer's linear layers
+    (`linear_shapes`) at `tokens` rows: per layer the forward x W^T and both backward products (dy W, dy^T x).
+    The kernels take turns, `rounds` times, and each keeps its fastest pass: a burst of load from another
+    process (a cluster starting beside the measurement) then slows one pass of each, not one kernel's figure."""
+    layers = []
+    for k_in, n_out in linear_shapes(shape):
+        x, w = torch.randn(tokens, k_in, dtype=dtype), torch.randn(n_out, k_in, dtype=dtype)
+        layers.append((x, w, torch.randn(tokens, n_out, dtype=dtype)))
+    flops = sum(6.0 * tokens * x.shape[1] * w.shape[0] for x, w, _ in layers)
+
+    def one_pass(mm):
+        for x, w, g in layers:
+            mm(x, w)
+            mm(g, w.t())
+            mm(g.t(), x.t())
+
+    best = dict.fromkeys(kernels, float("inf"))
+    for mm in kernels.values():
+        one_pass(mm)  # warm-up: oneDNN builds its primitives, MKL its buffers
+    for _ in range(rounds):
+        for name, mm in kernels.items():
+            start = time.perf_counter()
+            one_pass(mm)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: flops / seconds / 1e9 for name, seconds in best.items()}
 
 
 def _attention_seconds(shape, dtype: torch.dtype, form: str, length: int = 384, rows: int = 4) -> float:
