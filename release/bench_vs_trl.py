@@ -584,8 +584,10 @@ def main(argv: list[str]) -> None:
             print(f"\n=== shape {size} ===", flush=True)
         ratios[size] = run_shape(one, python)
     if len(ratios) > 1:
-        worst = {run: min((r[run] for r in ratios.values()), key=_as_float) for run in ("dp1", "dp2")}
-        every = " ".join(f"{size}_{run}={r[run]}" for size, r in ratios.items() for run in ("dp1", "dp2"))
+        worst = {
+            run: min((r.get(run, "n/a") for r in ratios.values()), key=_as_float) for run in ("dp1", "dp2")
+        }
+        every = " ".join(f"{size}_{run}={value}" for size, r in ratios.items() for run, value in r.items())
         print(f"vs_trl: ratio_dp1={worst['dp1']} ratio_dp2={worst['dp2']} {every}")
 
 
@@ -594,7 +596,8 @@ def _as_float(text: str) -> float:
 
 
 def run_shape(args: argparse.Namespace, python: Path | None) -> dict[str, str]:
-    """One shape's runs (TRL, dp1, dp2) and report; returns its ratios {"dp1": .., "dp2": ..}."""
+    """One shape's runs (TRL, dp1, dp2, and each --engines run) and report; returns each run's ratio to TRL
+    ({"dp1": .., "dp2": .., "dp1-hf": ..})."""
     args.out.mkdir(parents=True, exist_ok=True)
     spec = model_spec(args)
     model_dir, warm = warm_model(args, spec)
@@ -616,7 +619,8 @@ def run_shape(args: argparse.Namespace, python: Path | None) -> dict[str, str]:
         save(result, args.out)
     runs = {n: fresh.get(n) or load(n, args.out, recipe) for n in ("trl", "dp1", "dp2")}
     report(fresh, runs)
-    return {run: ratio(runs["trl"], runs[run]) for run in ("dp1", "dp2")}
+    shown = {**{n: r for n, r in runs.items() if r is not None}, **fresh}
+    return {n: ratio(runs["trl"], r) for n, r in shown.items() if n != "trl"}
 
 
 def print_setup(args: argparse.Namespace, spec, model_dir: Path, warm: dict, micro: int) -> None:
