@@ -60,10 +60,15 @@ class ModelFlops:
     @classmethod
     def from_shape(cls, shape) -> ModelFlops:
         """From a `yatt_ray.train.hf_convert.LlamaShape`."""
+        from yatt_ray.train.kernels import linear_shapes
+
+        per_layer = sum(k_in * n_out for k_in, n_out in linear_shapes(shape))  # q/k/v, output, MLP in and out
         h, L = shape.hidden_size, shape.num_layers
-        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        per_layer = 2 * h * q + 2 * h * kv + 3 * h * shape.ffn_hidden_size
-        return cls(matmul_params=L * per_layer + h * shape.vocab_size, layers=L, attn_width=q)
+        return cls(
+            matmul_params=L * per_layer + h * shape.vocab_size,
+            layers=L,
+            attn_width=shape.num_heads * shape.head_dim,
+        )
 
     def forward(self, tokens: float, causal_pairs: float) -> float:
         """F_fwd = 2 N T + 4 L q P for T tokens whose sequences hold P causal (query, key) pairs."""
@@ -129,8 +134,8 @@ def measure_matmul_flops(
     contention from another process does not lower the peak: measured at 0.3 s in three windows while a Ray
     cluster started beside it, one AVX2 EPYC gave 96 GFLOP/s where it reaches 130-160 idle), over both GEMM
     libraries of the torch build:
-    MKL (`torch.matmul`) and oneDNN (what the trainer's linear layers and vLLM use on the CPU; on AMD CPUs MKL
-    reaches well under half of it). The caller's thread count is restored."""
+    MKL (`torch.matmul`) and oneDNN (vLLM's CPU kernel, and the trainer's where faster: on one AVX-512 AMD EPYC
+    MKL reached under half of oneDNN, on an AVX2 one MKL was the faster). The caller's thread count is restored."""
     from yatt_ray.train.cpu_shims import onednn_linear_available, onednn_mm_t
 
     before = torch.get_num_threads()

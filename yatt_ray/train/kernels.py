@@ -6,9 +6,8 @@ trainer does not assume; a worker measures, at its model's shapes, in its dtype 
 
   - linear: oneDNN (`cpu_shims.OneDnnLinear`) or MKL (`torch.matmul`) for Megatron's linear layers, by the
     rate of the model's own four linear layers at 512 tokens, forward and the two backward products, the two
-    kernels taking turns (`linear_rates`; on one AVX2 EPYC a first, shorter measurement of one square-ish
-    product picked oneDNN at 88 against 76 GFLOP/s, where the layers of a 25M-100M model run at 115-170 on MKL and 80-140
-    on oneDNN);
+    kernels taking turns (`linear_rates`; on one AVX2 EPYC a first, shorter measurement of one product picked
+    oneDNN at 88 against 76 GFLOP/s, where a 25M-100M model's layers run at 115-170 on MKL, 80-140 on oneDNN);
   - threads: the intra-op thread count from 1 to the worker's CPUs that runs those layers fastest;
   - attention: grouped-query attention through the fused kernel's own GQA support (`enable_gqa`) or with the
     key / value heads expanded first, by the time of a fused forward + backward (`attention.packed_attention`);
@@ -75,7 +74,7 @@ def _cpu_model() -> str:
 
 def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) -> KernelChoice:
     """The fastest kernels for `shape` (a `LlamaShape`) with up to `max_threads` threads, from the cache or
-    measured now (about a second) and cached. The caller's thread count is restored."""
+    measured now (3-6 s on 2 cores at 25M-100M shapes) and cached. The caller's thread count is restored."""
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
     key = cache_key("v4", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
