@@ -72,6 +72,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--warmup-steps", type=int, default=None, help="SFT steps (default: 400 for 25m, 200 else)"
     )
+    p.add_argument(
+        "--all-groups",
+        action="store_true",
+        help="also run each yatt_ray run with train.skip_zero_advantage=false (<run>-all): every group trained",
+    )
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -416,14 +421,18 @@ def _is_train_worker(proc) -> str | None:
     return None
 
 
-def run_yatt(args, name: str, dp: int, engine: str, model_dir: Path, data_file: Path) -> RunResult:
-    """yatt_ray.fit on a fresh local Ray cluster (shut down afterwards)."""
+def run_yatt(
+    args, name: str, dp: int, engine: str, model_dir: Path, data_file: Path, all_groups: bool = False
+) -> RunResult:
+    """yatt_ray.fit on a fresh local Ray cluster (shut down afterwards); `all_groups`: with
+    train.skip_zero_advantage=false (the run's name gets "-all")."""
     import ray
 
     import yatt_ray
 
     out_dir = args.out / f"yatt-{name}"
     overrides = yatt_overrides(args, model_dir, data_file, dp, engine, out_dir)
+    overrides += ["train.skip_zero_advantage=false"] if all_groups else []
     config = yatt_ray.load_config(ROOT / "examples" / "configs" / "grpo.yaml", overrides)
     launched = time.time()
 
@@ -447,8 +456,9 @@ def run_yatt(args, name: str, dp: int, engine: str, model_dir: Path, data_file: 
     for row, ids in zip(steps, _prompt_ids(Path(result.output_dir), result.checkpoint_dir)):
         row["prompt_ids"] = ids
     return finished(RunResult(
-        name=name if engine == "auto" else f"{name}-{engine}",
-        label=f"yatt_ray dp_size={dp}, cluster.cpus_per_worker={THREADS // dp}, rollout.engine={resolved}",
+        name=(name if engine == "auto" else f"{name}-{engine}") + ("-all" if all_groups else ""),
+        label=f"yatt_ray dp_size={dp}, cluster.cpus_per_worker={THREADS // dp}, rollout.engine={resolved}"
+        + (", train.skip_zero_advantage=false" if all_groups else ""),
         rows=steps, wall_s=wall,
         first_step_end_s=(sampler.first_row_at - launched) if sampler.first_row_at else None,
         load_before=load_before, load_after=os.getloadavg(),
@@ -470,7 +480,7 @@ def _yatt_row(r: dict) -> dict:
     }
     return {"step": int(r["step"]), "step_s": r["time/step"], "completion_tokens": tokens, "completion_tok_s": rate,
             "length": r["response_length"], "phases": phases, "reward": r.get("reward_mean"),
-            "mfu_train": r.get("perf/mfu_train")}  # fmt: skip
+            "mfu_train": r.get("perf/mfu_train"), "skipped": r.get("train/skipped_fraction")}  # fmt: skip
 
 
 def _prompt_ids(output_dir: Path, checkpoint_dir: str) -> list[list[int]]:
@@ -528,6 +538,12 @@ def describe(r: RunResult) -> str:
     if mfu:
         lines.append(
             f"  train-phase FLOP efficiency (perf/mfu_train, of the measured peak) {statistics.median(mfu):.2f}"
+        )
+    skipped = [x["skipped"] for x in r.measured() if x.get("skipped") is not None]
+    if skipped:
+        lines.append(
+            f"  samples left out of the train step (zero advantages, train/skipped_fraction) "
+            f"{statistics.mean(skipped):.2f}"
         )
     first = f"{r.first_step_end_s:.1f} s" if r.first_step_end_s is not None else "?"
     startup = f"{r.startup_s:.1f} s" if r.startup_s is not None else "?"
@@ -610,10 +626,12 @@ def run_shape(args: argparse.Namespace, python: Path | None) -> dict[str, str]:
     fresh: dict[str, RunResult] = {}
     if "trl" in args.only:
         fresh["trl"] = run_trl(args, python, model_dir, data_files[1], rows, micro)
+    variants = [False, True] if args.all_groups else [False]
     for name, dp in (("dp1", 1), ("dp2", 2)):
         for engine in args.engines if name in args.only else []:
-            result = run_yatt(args, name, dp, engine, model_dir, data_files[dp])
-            fresh[result.name] = result
+            for all_groups in variants:
+                result = run_yatt(args, name, dp, engine, model_dir, data_files[dp], all_groups)
+                fresh[result.name] = result
     for result in fresh.values():
         result.recipe = recipe
         save(result, args.out)

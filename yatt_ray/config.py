@@ -293,6 +293,10 @@ class TrainConfig(_Section):
     # after advantages, prompt groups move between data-parallel ranks (Karmarkar-Karp, equal counts) so each
     # rank's train cost is even: "tokens" (real tokens) or "flops" (forward+backward with the attention term)
     balance: BalanceMode = "tokens"
+    # prompt groups whose advantages are all 0 (a GRPO group that scored alike) skip the policy's forward and
+    # backward when they add nothing to the gradient: no KL in the loss, entropy_coef 0 (`step.zero_gradient_rows`;
+    # the normalisers stay the whole batch's, so the update is the same); at least one group a rank still runs
+    skip_zero_advantage: bool = True
     # weights and compute: fp32, or bf16 with fp32 gradients and fp32 main weights in the optimizer (Megatron's
     # mixed precision); the rollout engine generates in the same dtype (`rollout_logp_diff` shows the mismatch)
     dtype: TrainDtype = "fp32"

@@ -36,8 +36,15 @@ from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.roles import Layout, Roles, build_roles, start_engine
-from yatt_ray.step import compute_advantages, is_on_policy, policy_loss_fn, reduce_metrics, value_loss_fn
-from yatt_ray.train.micro_batches import mini_batch_rows
+from yatt_ray.step import (
+    compute_advantages,
+    is_on_policy,
+    policy_loss_fn,
+    reduce_metrics,
+    value_loss_fn,
+    zero_gradient_rows,
+)
+from yatt_ray.train.micro_batches import keep_one_group, mini_batch_rows
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +281,14 @@ class GroupController:
         from yatt_ray.metrics.flops import registered_perf_model
         from yatt_ray.train.balance import exchange
 
+        policy_only = self.critic is None and self._policy_moves(
+            self.recorder.step
+        )  # a critic trains every row
+        skipped = self._zero_gradient_rows(batch) if policy_only else None
         with self.timer.phase("balance", busy=False):  # the exchange: network, no compute
-            moved, restore, stats = exchange(batch, mode, self.dp_group, registered_perf_model())
+            moved, restore, stats = exchange(
+                batch, mode, self.dp_group, registered_perf_model(), skipped=skipped
+            )
         return moved, restore.restore, stats
 
     def _train_compute_per_rank(self) -> dict[str, float]:
@@ -352,23 +365,41 @@ class GroupController:
             return stats
         steps: list[dict[str, float]] = []
         record = None
-        if batch.old_logp is None:  # on-policy: the training forward fills it
-            batch.old_logp = record = torch.zeros_like(batch.rollout_logp)
+        if batch.old_logp is None:  # on-policy: the training forward fills it (NaN where a row is skipped)
+            batch.old_logp = record = torch.full_like(batch.rollout_logp, float("nan"))
+        skip = self._zero_gradient_rows(batch)
+        left_out = 0
         for _ in range(cfg.algo.ppo_epochs):
             for chunk in mini_batch_rows(batch.size, batch.group_size, cfg.algo.ppo_mini_batches):
                 mini = batch.rows(chunk)
                 global_tokens = self._dp_sum(mini.response_mask.sum())
                 global_seqs = self._dp_sum(torch.tensor(float(mini.size)))
+                if skip is not None:  # the normalisers above stay the whole mini-batch's
+                    kept = chunk[keep_one_group(~skip[chunk], batch.group_size, mini.attention_mask)]
+                    left_out += len(chunk) - len(kept)
+                    chunk, mini = kept, batch.rows(kept)
                 loss_fn = policy_loss_fn(
                     cfg.algo, width, global_tokens, global_seqs, self.kl_ctl.value, cfg.rollout.max_new_tokens,
                     record_old_logp=record,
+                    metric_tokens=None if skip is None else self._dp_sum(mini.response_mask.sum()),
                 )  # fmt: skip
                 tensors = {**mini.tensors(), **mini.image_inputs()}
                 if record is not None:
                     tensors["row"] = chunk
                 steps.append(self.policy.train_step(tensors, loss_fn, **batching))
         stats.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
+        if skip is not None:  # of the samples the optimizer steps saw, the share left out
+            passes = cfg.algo.ppo_epochs * batch.size
+            stats["train/skipped_fraction"] = self._dp_sum(torch.tensor(float(left_out))) / max(
+                self._dp_sum(torch.tensor(float(passes))), 1.0
+            )
         return stats
+
+    def _zero_gradient_rows(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """[N] bool: the rows the policy's train step leaves out (`step.zero_gradient_rows`), or None."""
+        if not self.config.train.skip_zero_advantage:
+            return None
+        return zero_gradient_rows(batch, self.config.algo, self.kl_ctl.value)
 
     # ---- collectives ------------------------------------------------------------------------------
     def _broadcast_in_group(self, batch: RolloutBatch | None) -> RolloutBatch:

@@ -22,6 +22,7 @@ from yatt_ray.algos import (
     overlong_penalty,
     tis_weights,
 )
+from yatt_ray.algos.losses import ADVANTAGE_PROPORTIONAL
 from yatt_ray.batch import RolloutBatch
 from yatt_ray.config import AlgoConfig
 from yatt_ray.metrics.flops import PerfModel, causal_pairs, registered_perf_model
@@ -82,6 +83,24 @@ def is_on_policy(algo: AlgoConfig, kl_coef: float) -> bool:
     return algo.ppo_epochs == 1 and algo.ppo_mini_batches == 1 and not (algo.kl_in_reward and kl_coef > 0)
 
 
+def zero_gradient_rows(batch: RolloutBatch, algo: AlgoConfig, kl_coef: float) -> torch.Tensor | None:
+    """[N] bool, True for the rows whose policy loss and gradient are exactly 0, so the policy's train step
+    may leave them out (`train.skip_zero_advantage`); None when no row can be (the loss acts at A = 0).
+
+    A row qualifies when every advantage of its group (`batch.group_size` consecutive rows: the unit the
+    trainer packs) is 0 on the response tokens, e.g. a GRPO group whose samples all scored the same, and the
+    loss is A times a factor: a loss in `ADVANTAGE_PROPORTIONAL`, no entropy bonus (entropy_coef = 0) and no
+    KL term in the loss (kl_coef = 0 or `algo.kl_in_reward`). The loss normalisers stay those of the whole
+    batch, so the update is the same with or without them (the optimizer still steps: AdamW's moments move).
+    """
+    kl_in_loss = kl_coef > 0 and not algo.kl_in_reward
+    if kl_in_loss or algo.entropy_coef != 0 or algo.policy_loss not in ADVANTAGE_PROPORTIONAL:
+        return None
+    assert batch.advantages is not None, "the advantages are computed before the update"
+    zero = ((batch.advantages != 0) & (batch.response_mask > 0)).sum(dim=1) == 0  # [N]
+    return zero.view(-1, batch.group_size).all(dim=1).repeat_interleave(batch.group_size)
+
+
 def policy_loss_fn(
     algo: AlgoConfig,
     prompt_width: int,
@@ -90,6 +109,7 @@ def policy_loss_fn(
     kl_coef: float,
     norm_len: int,
     record_old_logp: torch.Tensor | None = None,
+    metric_tokens: float | None = None,
 ):
     """The per-micro-batch policy loss for MegatronPolicy.train_step.
 
@@ -107,7 +127,11 @@ def policy_loss_fn(
     On-policy (`is_on_policy`), pass `record_old_logp` [N, R]: old_logp = logp.detach() (ratio 1, gradient
     that of the plain policy gradient), the truncated-IS weights are taken against it, and each micro-batch's
     detached log-probs are written into the buffer at its rows (`mb["row"]`) for the step's metrics.
+    `metric_tokens` (default `global_tokens`) normalises the logged token means: the trained tokens when the
+    controller leaves zero-gradient rows out (`zero_gradient_rows`), so entropy and clipfrac are their means
+    over the rows that ran.
     """
+    shares_over = global_tokens if metric_tokens is None else metric_tokens
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
     kl_in_loss = kl_coef > 0 and not algo.kl_in_reward
     options: dict = {} if algo.dual_clip is None else {"dual_clip": algo.dual_clip}
@@ -142,7 +166,7 @@ def policy_loss_fn(
             )
             pg = pg * weights
             # this micro-batch's share of the global token mean (shares sum to the step's mean)
-            scale = float(w_stats["tokens"]) / max(global_tokens, 1.0)
+            scale = float(w_stats["tokens"]) / max(shares_over, 1.0)
             corrected = {
                 f"off_policy/{k}": float(w_stats[k]) * scale
                 for k in ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac")
@@ -155,7 +179,7 @@ def policy_loss_fn(
             per_token, mask, algo.loss_agg, global_tokens=global_tokens, global_seqs=global_seqs,
             norm_len=float(norm_len) if algo.loss_agg == "seq-mean-token-sum-norm" else None,
         )  # fmt: skip
-        return loss, {**_token_mean_shares(share, mask, global_tokens), **corrected}
+        return loss, {**_token_mean_shares(share, mask, shares_over), **corrected}
 
     return loss_fn
 
@@ -185,7 +209,7 @@ def _token_mean_shares(per_token: dict[str, torch.Tensor], mask: torch.Tensor, g
 
 _SUMS = (
     "reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff", "prompts_clipped",
-    "kl", "greedy_reward", "causal_pairs", "overlong_penalty",
+    "kl", "greedy_reward", "causal_pairs", "overlong_penalty", "logp_tokens",
 )  # fmt: skip
 
 
@@ -194,10 +218,11 @@ def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
     assert batch.rewards is not None and batch.old_logp is not None
     mask = batch.response_mask
     prompt_tokens = batch.attention_mask[:, : batch.prompt_width].sum()
-    diff = ((batch.old_logp - batch.rollout_logp).abs() * mask).sum()
+    seen = ~batch.old_logp.isnan()  # on-policy, a row the train step left out has no log-probs (NaN)
+    diff = ((batch.old_logp - batch.rollout_logp).abs() * mask).where(seen, 0.0).sum()
     kl: float | torch.Tensor = 0.0
     if batch.ref_logp is not None:
-        kl = (kl_estimate(batch.old_logp, batch.ref_logp, algo.kl_estimator) * mask).sum()
+        kl = (kl_estimate(batch.old_logp, batch.ref_logp, algo.kl_estimator) * mask).where(seen, 0.0).sum()
     greedy = batch.greedy_rewards.sum() if batch.greedy_rewards is not None else 0.0
     overlong = batch.overlong_penalty.sum() if batch.overlong_penalty is not None else 0.0
     values: list[float | int | torch.Tensor] = [
@@ -213,6 +238,7 @@ def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
         greedy,
         causal_pairs(batch.attention_mask.sum(dim=1)),
         overlong,
+        (mask * seen).sum(),
     ]
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
@@ -254,7 +280,7 @@ def reduce_metrics(
         "response_length": s["response_tokens"] / samples,
         "truncated_fraction": s["truncated"] / samples,
         "prompts_clipped": s["prompts_clipped"],
-        "rollout_logp_diff": s["logp_diff"] / tokens,
+        "rollout_logp_diff": s["logp_diff"] / max(s["logp_tokens"], 1.0),
         **throughput(s["response_tokens"], s["prompt_tokens"], step_time, dist.get_world_size()),
         "time/step": step_time,
     }

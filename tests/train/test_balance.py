@@ -329,6 +329,46 @@ def test_exchange_two_ranks_gloo():
         assert res["again_is_same"] and res["moved_again"] == 0.0  # balanced already: nothing moves
 
 
+SKIPPED_GROUPS = {
+    100,
+    101,
+    102,
+}  # rank 0's first three (long) groups: zero advantages, the trainer skips them
+
+
+def _trained_cost(batch) -> float:
+    """The tokens cost of `batch`'s groups that are not in SKIPPED_GROUPS (first prompt token = group id)."""
+    costs = unit_costs(batch.attention_mask, GROUP, "tokens", prompt_width=batch.prompt_width)
+    first = batch.attention_mask.argmax(dim=1)
+    gids = batch.input_ids[torch.arange(batch.size), first][::GROUP].tolist()
+    return float(sum(c for c, gid in zip(costs.tolist(), gids) if gid not in SKIPPED_GROUPS))
+
+
+def _skipping_rank(rank, world_size):
+    batch = _rank_batch(rank)
+    batch.old_logp[: 3 * GROUP if rank == 0 else 0] = float("nan")  # on-policy: no log-probs where skipped
+    skipped = torch.zeros(batch.size, dtype=torch.bool)
+    skipped[: 3 * GROUP if rank == 0 else 0] = True
+    priced, restore, stats = exchange(batch, "tokens", None, slice_groups=False, skipped=skipped)
+    plain = exchange(_rank_batch(rank), "tokens", None, slice_groups=False)[0]
+    back = restore.restore(priced.old_logp.clone())
+    return {"stats": stats, "priced": _trained_cost(priced), "plain": _trained_cost(plain), "old_logp": back,
+            "rows": priced.size}  # fmt: skip
+
+
+def test_exchange_prices_skipped_groups_at_zero():
+    results = run_ranks(_skipping_rank, 2, timeout_s=120.0)
+    priced, plain = [r["priced"] for r in results], [r["plain"] for r in results]
+    assert results[0]["stats"]["balance/imbalance_after"] == pytest.approx(imbalance(priced))
+    assert imbalance(priced) < imbalance(plain)  # the groups that train are what gets balanced
+    assert sum(r["rows"] for r in results) == sum(_rank_batch(r).size for r in range(2))  # nothing lost
+    for rank, res in enumerate(results):  # every row's log-probs come back, the NaN of skipped rows too
+        original = _rank_batch(rank).old_logp
+        skipped_rows = torch.arange(original.shape[0]) < (3 * GROUP if rank == 0 else 0)
+        assert torch.equal(res["old_logp"].isnan().all(dim=1), skipped_rows)
+        assert torch.equal(res["old_logp"][~skipped_rows], original[~skipped_rows])
+
+
 def test_unit_sizes_and_choose_plan():
     assert unit_sizes(8) == [8, 4, 2, 1] and unit_sizes(6) == [6, 3, 2, 1] and unit_sizes(1) == [1]
     whole = plan_exchange([[90.0, 10.0], [10.0, 10.0]], 2)  # any 2 + 2 split keeps the 90 with another unit

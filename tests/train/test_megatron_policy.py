@@ -95,6 +95,23 @@ def test_micro_batches_give_the_same_step(tiny_model_dir):
         torch.testing.assert_close(sd1[k], sd4[k], atol=1e-5, rtol=0)
 
 
+def test_rows_with_zero_advantage_left_out_give_the_same_step(tiny_model_dir):
+    """What `train.skip_zero_advantage` relies on: with no entropy term, rows whose advantages are 0 add
+    nothing to the gradient, so training the other rows (same normaliser) gives the same weights."""
+    batch = make_batch(n_rows=4, length=10, seed=3)
+    batch["advantages"][[1, 3]] = 0.0
+    loss_fn = make_loss_fn(float(batch["attention_mask"][:, 1:].sum()), entropy_coef=0.0)
+    full, part = policy(tiny_model_dir), policy(tiny_model_dir)
+    before = full.hf_state_dict()
+    m_full = full.train_step(batch, loss_fn, micro_batch_size=4)
+    m_part = part.train_step({k: v[[0, 2]] for k, v in batch.items()}, loss_fn, micro_batch_size=4)
+    assert m_part["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5) and m_full["grad_norm"] > 0
+    a, b = full.hf_state_dict(), part.hf_state_dict()
+    assert not all(torch.equal(a[k], before[k]) for k in a)  # the step moved the weights
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
 def test_offload_onload_keeps_training_identical(tiny_model_dir):
     batch = make_batch(n_rows=2, length=8, seed=2)
     loss_fn = make_loss_fn(float(batch["attention_mask"][:, 1:].sum()))

@@ -190,6 +190,39 @@ def test_without_kl_there_is_no_reference_pass_and_no_kl_metric(single_process_w
     assert "ref_logp" not in policy.batches[0] and "tis_weights" not in policy.batches[0]
 
 
+def test_groups_with_zero_advantages_skip_the_train_step_and_leave_the_update_as_it_was(single_process_world):
+    answers = ["3", "5", "5", "4"] + ["3", "4"] * 6  # prompts 1 and 2: both samples wrong, advantages 0
+    plain = {"algo.kl_coef": 0.0, "algo.tis_cap": "null"}
+    skipping, _, skip_policy, _, _ = controller(answers, **plain)
+    full, _, full_policy, _, _ = controller(answers, **plain, **{"train.skip_zero_advantage": "false"})
+    m_skip, m_full = skipping.step(1), full.step(1)
+    assert skip_policy.batches[0]["row"].tolist() == [0, 1, 6, 7]  # groups 0 and 3 ran, 1 and 2 did not
+    assert full_policy.batches[0]["row"].tolist() == list(range(8))
+    assert m_skip["train/skipped_fraction"] == 0.5 and "train/skipped_fraction" not in m_full
+    # the loss is normalised by the whole batch's tokens either way: the same value (and gradient)
+    assert m_skip["loss"] == pytest.approx(m_full["loss"])
+    assert m_skip["grad_norm"] == pytest.approx(m_full["grad_norm"]) and m_skip["grad_norm"] > 0
+    # the log-prob mismatch is measured over the rows that ran: still 0.5, not diluted by the skipped ones
+    assert m_skip["rollout_logp_diff"] == pytest.approx(0.5) == m_full["rollout_logp_diff"]
+
+
+def test_when_every_group_has_zero_advantages_one_still_trains(single_process_world):
+    ctrl, _, policy, _, _ = controller(["5"] * 16, **{"algo.kl_coef": 0.0})
+    metrics = ctrl.step(1)
+    assert (
+        len(policy.batches) == 1 and len(policy.batches[0]["row"]) == N_SAMPLES
+    )  # the optimizer still steps
+    assert metrics["train/skipped_fraction"] == 0.75 and metrics["grad_norm"] == 0.0
+
+
+def test_a_loss_that_acts_at_zero_advantage_trains_every_row(single_process_world):
+    answers = ["5"] * 16
+    for overrides in ({"algo.kl_coef": 0.1}, {"algo.kl_coef": 0.0, "algo.entropy_coef": 0.01}):
+        ctrl, _, policy, _, _ = controller(answers, **overrides)
+        metrics = ctrl.step(1)
+        assert len(policy.batches[0]["input_ids"]) == 8 and "train/skipped_fraction" not in metrics
+
+
 def test_dynamic_sampling_draws_again_for_the_groups_it_drops(single_process_world):
     answers = ["3", "5", "5", "4"] + ["3", "4"] * 6  # prompts 1 and 2: both samples wrong (uniform)
     ctrl, log, policy, _, link = controller(answers, **{"algo.dynamic_sampling": "reward"})

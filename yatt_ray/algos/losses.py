@@ -32,6 +32,7 @@ from torch import Tensor
 from yatt_ray.algos.registry import POLICY_LOSSES
 
 __all__ = [
+    "ADVANTAGE_PROPORTIONAL",
     "GSPO_LOG_RATIO_CLAMP",
     "RATIO_LOG_CLAMP",
     "cispo_loss",
@@ -45,6 +46,11 @@ RATIO_LOG_CLAMP = 20.0
 
 GSPO_LOG_RATIO_CLAMP = 10.0
 """GSPO's sequence log-ratio is clamped to [-10, 10] (ratio in [4.5e-5, 2.2e4]), value and gradient; see `gspo_loss`."""
+
+ADVANTAGE_PROPORTIONAL = frozenset({"ppo_clip", "gspo", "cispo"})
+"""The registered losses whose per-token value is the advantage times a factor: a row whose advantages are all
+0 adds exactly 0 to the loss and to its gradient, so the trainer may skip it (`step.zero_gradient_rows`). A
+loss registered elsewhere joins this set only when that holds for it too."""
 
 
 def _check_inputs(

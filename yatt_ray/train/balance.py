@@ -338,8 +338,10 @@ def exchange(
     group=None,
     model: ModelFlops | PerfModel | None = None,
     slice_groups: bool = True,
+    skipped: Tensor | None = None,
 ) -> tuple[RolloutBatch, Restore, dict[str, float]]:
     """Balance `batch` over the data-parallel process group `group` (a collective; None = the default group).
+    `skipped` [N] bool marks rows the train step will leave out (`step.zero_gradient_rows`): they cost nothing.
 
     Returns the balanced batch (the groups this rank holds in the Plan's order: every set row field, re-padded
     by `concat`; `greedy_rewards` dropped; `counters`, `truncated`, `prompts_clipped` of the local batch),
@@ -356,9 +358,9 @@ def exchange(
         return batch, Restore(), {**stats, "balance/unit_size": float(batch.group_size)}
     me = dist.get_rank(group)
     sizes = unit_sizes(batch.group_size) if slice_groups else [batch.group_size]
+    mask = batch.attention_mask if skipped is None else batch.attention_mask * ~skipped[:, None]
     costs = {
-        s: tuple(unit_costs(batch.attention_mask, s, mode, model, prompt_width=batch.prompt_width).tolist())
-        for s in sizes
+        s: tuple(unit_costs(mask, s, mode, model, prompt_width=batch.prompt_width).tolist()) for s in sizes
     }
     gathered: list = [None] * world
     dist.all_gather_object(gathered, _shard(batch, costs), group=group)

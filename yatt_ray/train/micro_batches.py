@@ -116,3 +116,14 @@ def mini_batch_rows(rows: int, group_size: int, count: int) -> list[torch.Tensor
         raise ValueError(f"{rows} rows are not whole groups of {group_size}")
     groups = [g for g in torch.arange(rows // group_size).tensor_split(count) if len(g)]
     return [(g[:, None] * group_size + torch.arange(group_size)[None, :]).reshape(-1) for g in groups]
+
+
+def keep_one_group(trained: torch.Tensor, group_size: int, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The row indices to train of a mini-batch whose rows `trained` [N] (bool, whole groups of `group_size`
+    consecutive rows alike) marks: those rows, or when none is marked, the group with the fewest real tokens
+    (`attention_mask` [N, T]), so every rank still runs a forward and backward (its gradient is then 0)."""
+    if bool(trained.any()):
+        return torch.nonzero(trained).flatten()
+    tokens = attention_mask.sum(dim=1).view(-1, group_size).sum(dim=1)
+    first = int(torch.argmin(tokens)) * group_size
+    return torch.arange(first, first + group_size)
