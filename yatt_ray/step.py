@@ -128,7 +128,7 @@ def policy_loss_fn(
     that of the plain policy gradient), the truncated-IS weights are taken against it, and each micro-batch's
     detached log-probs are written into the buffer at its rows (`mb["row"]`) for the step's metrics.
     `metric_tokens` (default `global_tokens`) normalises the logged token means: the trained tokens when the
-    controller leaves zero-gradient rows out (`zero_gradient_rows`), so entropy and clipfrac are their means
+    controller leaves zero-gradient rows out (`zero_gradient_rows`), so pg_loss, entropy and clipfrac are means
     over the rows that ran.
     """
     shares_over = global_tokens if metric_tokens is None else metric_tokens
