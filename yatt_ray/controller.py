@@ -281,9 +281,8 @@ class GroupController:
         from yatt_ray.metrics.flops import registered_perf_model
         from yatt_ray.train.balance import exchange
 
-        policy_only = self.critic is None and self._policy_moves(
-            self.recorder.step
-        )  # a critic trains every row
+        # rows the policy skips cost nothing, unless a critic trains them
+        policy_only = self.critic is None and self._policy_moves(self.recorder.step)
         skipped = self._zero_gradient_rows(batch) if policy_only else None
         with self.timer.phase("balance", busy=False):  # the exchange: network, no compute
             moved, restore, stats = exchange(
