@@ -329,11 +329,9 @@ def test_exchange_two_ranks_gloo():
         assert res["again_is_same"] and res["moved_again"] == 0.0  # balanced already: nothing moves
 
 
-SKIPPED_GROUPS = {
-    100,
-    101,
-    102,
-}  # rank 0's first three (long) groups: zero advantages, the trainer skips them
+# rank 0's first three (long) groups: zero advantages, the trainer skips them
+SKIPPED_GROUPS = {100, 101, 102}
+SKIPPED_ROWS = {0: 3 * GROUP, 1: 0}  # rank -> its leading rows that are skipped
 
 
 def _trained_cost(batch) -> float:
@@ -346,9 +344,8 @@ def _trained_cost(batch) -> float:
 
 def _skipping_rank(rank, world_size):
     batch = _rank_batch(rank)
-    batch.old_logp[: 3 * GROUP if rank == 0 else 0] = float("nan")  # on-policy: no log-probs where skipped
-    skipped = torch.zeros(batch.size, dtype=torch.bool)
-    skipped[: 3 * GROUP if rank == 0 else 0] = True
+    skipped = torch.arange(batch.size) < SKIPPED_ROWS[rank]
+    batch.old_logp[skipped] = float("nan")  # on-policy: no log-probs where skipped
     priced, restore, stats = exchange(batch, "tokens", None, slice_groups=False, skipped=skipped)
     plain = exchange(_rank_batch(rank), "tokens", None, slice_groups=False)[0]
     back = restore.restore(priced.old_logp.clone())
@@ -364,7 +361,7 @@ def test_exchange_prices_skipped_groups_at_zero():
     assert sum(r["rows"] for r in results) == sum(_rank_batch(r).size for r in range(2))  # nothing lost
     for rank, res in enumerate(results):  # every row's log-probs come back, the NaN of skipped rows too
         original = _rank_batch(rank).old_logp
-        skipped_rows = torch.arange(original.shape[0]) < (3 * GROUP if rank == 0 else 0)
+        skipped_rows = torch.arange(original.shape[0]) < SKIPPED_ROWS[rank]
         assert torch.equal(res["old_logp"].isnan().all(dim=1), skipped_rows)
         assert torch.equal(res["old_logp"][~skipped_rows], original[~skipped_rows])
 
