@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One device check, within 8 minutes (issue #23), then a table:
+#   0. the CUDA tests: the packed attention against the dense reference on the device's fused kernels (fp32,
+#      bf16; values and gradients), the trainer's logits packed against dense, the HF engine on CUDA;
 #   1. train-phase MFU of the Megatron trainer (`release/bench_train_mfu.py`): on a GPU Qwen2.5-0.5B's shape in
 #      bf16, with the packed (fused) attention, the trainer's default;
 #   2. a 3-step GRPO `fit()` of the demo with the Hugging Face engine (no vLLM on the device machine), one
@@ -22,16 +24,21 @@ else
 fi
 echo "gpu_check: mode $MODE, logs in $OUT"
 start=$(date +%s)
-timeout 300 "$PY" release/bench_train_mfu.py "${MFU_ARGS[@]}" 2>&1 | tee "$OUT/mfu.log"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/train/test_packed_attention.py \
+  tests/rollout/test_rollout_hf.py::test_on_cuda_matches_reference_and_sleep_frees_the_device 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+timeout 200 "$PY" release/bench_train_mfu.py "${MFU_ARGS[@]}" 2>&1 | tee "$OUT/mfu.log"
 mfu_rc=${PIPESTATUS[0]}
 timeout "$FIT_S" "$PY" examples/grpo.py train.steps=3 train.dp_size=1 rollout.engine=hf \
   checkpoint.enable=false output.dir="$OUT/fit" 2>&1 | tee "$OUT/fit.log"
 fit_rc=${PIPESTATUS[0]}
-"$PY" - "$OUT" "$mfu_rc" "$fit_rc" "$MODE" "$(( $(date +%s) - start ))" <<'EOF'
+"$PY" - "$OUT" "$mfu_rc" "$fit_rc" "$MODE" "$(( $(date +%s) - start ))" "$tests_rc" <<'EOF'
 import json, sys
 from pathlib import Path
 
 out, mfu_rc, fit_rc, mode, seconds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+tests_rc = int(sys.argv[6])
+tests = next((l for l in reversed((out / "tests.log").read_text().splitlines()) if " in " in l), "no summary")
 line = next((l for l in reversed((out / "mfu.log").read_text().splitlines()) if l.startswith("train_mfu:")), "")
 fields = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
 rows = []
@@ -39,6 +46,7 @@ for path in sorted((out / "fit").glob("*/metrics.jsonl")):
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 steps = [r for r in rows if "time/step" in r]
 print(f"\n| check ({mode}) | result |\n|---|---|")
+print(f"| packed attention = dense, HF engine (pytest) | {tests.strip('= ')} (exit {tests_rc}) |")
 print(f"| bench_train_mfu {fields.get('preset', '?')} {fields.get('dtype', '?')} | "
       f"MFU {fields.get('mfu', '?')}, {fields.get('tokens_per_s', '?')} tokens/s, step {fields.get('step_s', '?')} s"
       f" (exit {mfu_rc}) |")
@@ -48,7 +56,7 @@ print(f"| GRPO fit, HF engine, 3 steps | {len(steps)} steps, step s "
       + (f", train MFU {steps[-1]['perf/mfu_train']:.3f}" if steps and "perf/mfu_train" in steps[-1] else "")
       + f" (exit {fit_rc}) |")
 print(f"| whole check | {seconds} s |")
-ok = mfu_rc == 0 and fit_rc == 0 and len(steps) == 3
+ok = tests_rc == 0 and mfu_rc == 0 and fit_rc == 0 and len(steps) == 3
 print(f"gpu_check: mode={mode} ok={str(ok).lower()} mfu={fields.get('mfu', 'nan')} fit_steps={len(steps)}")
 sys.exit(0 if ok else 1)
 EOF

@@ -24,10 +24,17 @@ def test_gpu_check_runs_in_cpu_mode(ray_cluster, tmp_path):
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, log
     assert re.fullmatch(r"gpu_check: mode=cpu ok=true mfu=0\.\d{3} fit_steps=3", lines[-1]), log
-    table = "\n".join(lines[-6:])
+    table = "\n".join(lines[-7:])
+    assert re.search(
+        r"\| packed attention = dense, HF engine \(pytest\) \| \d+ passed, \d+ skipped .*\(exit 0\) \|", table
+    )
     assert (
         "| bench_train_mfu tiny fp32 | MFU 0." in table
         and "| GRPO fit, HF engine, 3 steps | 3 steps" in table
     )
-    assert (tmp_path / "mfu.log").is_file() and list((tmp_path / "fit").glob("*/metrics.jsonl"))
+    assert (
+        (tmp_path / "tests.log").is_file()
+        and (tmp_path / "mfu.log").is_file()
+        and list((tmp_path / "fit").glob("*/metrics.jsonl"))
+    )
     assert "kernels (measured on this machine)" in (tmp_path / "fit.log").read_text()  # the plan names them

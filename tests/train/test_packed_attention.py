@@ -9,6 +9,20 @@ from yatt_ray.train.attention import packed_attention, segment_layout
 from yatt_ray.train.model import attention_input, forward_packed
 from yatt_ray.train.packing import PAD_SEGMENT, pack_shared_prefix
 
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (release/gpu_check.sh runs it there)"
+)
+# (device, dtype, tolerance on values and gradients against the float64 reference)
+DEVICES = [
+    ("cpu", torch.float64, 1e-10),
+    pytest.param(
+        "cuda", torch.float32, 1e-5, marks=[CUDA, pytest.mark.gpu]
+    ),  # TF32 off: torch's default for matmuls
+    pytest.param(
+        "cuda", torch.bfloat16, 3e-2, marks=[CUDA, pytest.mark.gpu]
+    ),  # flash attention; bf16 inputs, fp32 accumulation
+]
+
 
 def _batch(gen, groups=5, n=4, vocab=30):
     """Groups of n samples of one prompt; response lengths 0-11, one group's prompt longer than the rest."""
@@ -44,35 +58,38 @@ def _dense(q, k, v, packed, scale):
         (4, None, 4, 2, True),
     ],
 )
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
 def test_packed_attention_equals_dense_reference_in_values_and_gradients(
-    group_size, cap, heads, kv_heads, whole_rows
+    group_size, cap, heads, kv_heads, whole_rows, device, dtype, tol
 ):
-    """Per-sample causal sequences in buckets, and (whole_rows) whole masked rows, against the dense reference."""
+    """Per-sample causal sequences in buckets, and (whole_rows) whole masked rows, against the dense reference
+    (computed in float64 from the same inputs); on CUDA the fused kernels the trainer gets in fp32 and bf16."""
     gen = torch.Generator().manual_seed(group_size * 10 + heads)
     batch = _batch(gen)
     packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, group_size, max_len=cap)
     length, rows, d = packed.segment.shape[1], packed.segment.shape[0], 8
-    q = torch.randn(length, rows, heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(length, rows, heads, d, generator=gen, dtype=torch.float64).to(device, dtype)
     k, v = (
-        torch.randn(length, rows, kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+        torch.randn(length, rows, kv_heads, d, generator=gen, dtype=torch.float64).to(device, dtype)
         for _ in "kv"
     )
-    real = (packed.segment != PAD_SEGMENT).T[
-        :, :, None
-    ]  # [L, G, 1]: padding positions' outputs are never read
-    weights = torch.randn(length, rows, heads * d, generator=gen, dtype=torch.float64) * real
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    real = (
+        (packed.segment != PAD_SEGMENT).T[:, :, None].to(device)
+    )  # [L, G, 1]: padding outputs are never read
+    weights = torch.randn(length, rows, heads * d, generator=gen, dtype=torch.float64).to(device) * real
 
-    layout = segment_layout(packed.segment, dense_up_to=10**6 if whole_rows else 0)
+    layout = segment_layout(packed.segment, dense_up_to=10**6 if whole_rows else 0).to(device)
     assert (layout.visible is not None) == whole_rows and (len(layout.buckets) == 0) == whole_rows
     got = packed_attention(q, k, v, layout, scale=0.3)
-    want = _dense(q, k, v, packed, 0.3)
-    assert ((got - want).abs() * real).max() < 1e-10
+    want = _dense(*(x.double() for x in (q, k, v)), packed.to(device), 0.3)
+    assert got.dtype == dtype and ((got.double() - want).abs() * real).max() < tol
     if not whole_rows:  # padding positions' outputs (never read) are zeros; whole rows give their own value
         assert (got[~real.expand_as(got)] == 0).all()
-    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    grads = torch.autograd.grad((got.double() * weights).sum(), (q, k, v))
     want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
-    for g, w in zip(grads, want_grads):
-        assert (g - w).abs().max() < 1e-10
+    for g, w in zip(grads, want_grads):  # gradients sum over many positions: the tolerance scales with them
+        assert (g.double() - w.double()).abs().max() < tol * max(1.0, w.abs().max().item())
 
 
 def test_layout_is_linear_in_the_packed_length():
