@@ -30,7 +30,7 @@ tests_rc=${PIPESTATUS[0]}
 timeout 200 "$PY" release/bench_train_mfu.py "${MFU_ARGS[@]}" 2>&1 | tee "$OUT/mfu.log"
 mfu_rc=${PIPESTATUS[0]}
 timeout "$FIT_S" "$PY" examples/grpo.py train.steps=3 train.dp_size=1 rollout.engine=hf \
-  checkpoint.enable=false output.dir="$OUT/fit" 2>&1 | tee "$OUT/fit.log"
+  checkpoint.enable=false checkpoint.max_failures=0 output.dir="$OUT/fit" 2>&1 | tee "$OUT/fit.log"
 fit_rc=${PIPESTATUS[0]}
 "$PY" - "$OUT" "$mfu_rc" "$fit_rc" "$MODE" "$(( $(date +%s) - start ))" "$tests_rc" <<'EOF'
 import json, sys

@@ -146,6 +146,7 @@ def test_gpt_model_logits_packed_equal_dense_fp32(single_process_world):
         for p in fused.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     dense.load_state_dict(fused.state_dict())
+    packed = packed.to(next(fused.parameters()).device)  # on CUDA the model is built there
     assert type(attention_input(fused, packed)).__name__ == "SegmentLayout"
     with torch.no_grad():
         got, want = forward_packed(fused.eval(), packed), forward_packed(dense.eval(), packed)

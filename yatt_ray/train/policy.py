@@ -143,10 +143,11 @@ class MegatronPolicy(MegatronTrainerBase):
         A vision policy also takes the rows' prompts' images: `images` (`batch.PromptImages`, each prompt's
         once) and `image_prompt` [B] long, row b's prompt in it.
         """
-        packed = pack_shared_prefix(input_ids, attention_mask, group_size)
+        packed = pack_shared_prefix(input_ids, attention_mask, group_size)  # built on the CPU
         self.forward_tokens += packed.tokens
+        on_device = packed.to(self.device)
         if self.encoder is None:
-            logits = forward_packed(model, packed.to(self.device))  # [G, L, V/tp]
+            logits = forward_packed(model, on_device)  # [G, L, V/tp]
         else:
             if images is None or image_prompt is None:
                 raise ValueError("a vision-language policy needs `images` and `image_prompt` with the batch")
@@ -156,11 +157,9 @@ class MegatronPolicy(MegatronTrainerBase):
             positions = None
             if isinstance(encoder, qwen_vl.QwenVisionEncoder):
                 positions = self._mrope(encoder, packed, input_ids, attention_mask, image_prompt, images)
-            logits = forward_packed_with_images(
-                model, packed.to(self.device), features, encoder.image_token_id, positions
-            )
-        logp, entropy = token_logprobs_and_entropy(logits, packed.targets, self.tp_group)
-        return packed.unpack(logp), packed.unpack(entropy)
+            logits = forward_packed_with_images(model, on_device, features, encoder.image_token_id, positions)
+        logp, entropy = token_logprobs_and_entropy(logits, on_device.targets, self.tp_group)
+        return on_device.unpack(logp), on_device.unpack(entropy)
 
     @torch.no_grad()
     def log_probs(
