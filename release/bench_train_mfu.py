@@ -150,6 +150,31 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def profile_step(policy, batch: dict, loss_fn, args: argparse.Namespace) -> None:
+    """One more `train_step` under torch.profiler: its wall time, the time the device ran kernels (on a GPU; the
+    rest of the wall time it waited for the host: launches, Python, syncs), and the top `args.profile` ops by
+    self time on the device (GPU), then on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        policy.train_step(batch, loss_fn, micro_batch_size=args.micro_batch_size)
+        sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    line = f"\nprofiled step: {wall:.3f} s wall"
+    if cuda:  # the kernels' own events (a CPU op's device time is its kernels', counted there)
+        kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        line += f"; GPU kernels {busy:.3f} s ({busy / wall:.0%} busy; the rest it waited on the host)"
+    print(line)
+    for sort in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]:  # host time: launches
+        print(events.table(sort_by=sort, row_limit=args.profile, max_name_column_width=60), flush=True)
+
+
 def one_line(text: str) -> str:
     """`text` as a double-quoted token with no whitespace but single spaces and no inner quotes."""
     return '"' + " ".join(text.replace('"', "'").split()) + '"'
@@ -166,6 +191,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps before them")
     p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s of the device (override)")
     p.add_argument("--out", default=None, help="directory for the model (default: a temp dir, removed)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then one more step under torch.profiler: top N ops",
+    )
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     args.rows = args.rows or preset.rows
@@ -254,6 +286,10 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
                 f"{row['mfu']:>7.4f} {out['grad_norm']:>10.4f} {out['loss']:>10.5f}"
                 + ("" if measured else "  (warm-up)"),
                 flush=True,
+            )
+        if args.profile:
+            profile_step(
+                policy, make_batch(args.rows, args.length, preset.vocab_size, seed=SEED), loss_fn, args
             )
         if cuda:
             memory = (

@@ -23,13 +23,17 @@ def test_gpu_check_runs_in_cpu_mode(ray_cluster, tmp_path):
     lines = proc.stdout.strip().splitlines()
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, log
-    assert re.fullmatch(r"gpu_check: mode=cpu ok=true mfu=0\.\d{3} fit_steps=3", lines[-1]), log
-    table = "\n".join(lines[-7:])
+    assert re.fullmatch(
+        r"gpu_check: mode=cpu ok=true mfu=0\.\d{3} mfu_mb8=0\.\d{3} fit_steps=3", lines[-1]
+    ), log
+    table = "\n".join(lines[-9:])
     assert re.search(
         r"\| packed attention = dense, HF engine \(pytest\) \| \d+ passed, \d+ skipped .*\(exit 0\) \|", table
     )
     assert (
-        "| bench_train_mfu tiny fp32 | MFU 0." in table
+        "| bench_train_mfu tiny fp32, micro-batches of 4 rows | MFU 0." in table
+        and "| bench_train_mfu tiny fp32, micro-batches of 8 rows | MFU 0." in table
+        and "| one step profiled (micro-batches of 4) | profiled step: " in table
         and "| GRPO fit, HF engine, 3 steps | 3 steps" in table
     )
     assert (
