@@ -58,8 +58,8 @@ for path in sorted((out / "fit").glob("*/metrics.jsonl")):
 steps = [r for r in rows if "time/step" in r]
 print(f"\n| check ({mode}) | result |\n|---|---|")
 print(f"| packed attention = dense, HF engine (pytest) | {tests.strip('= ')} (exit {tests_rc}) |")
-for f, rc, rows in ((fields, mfu_rc, "4"), (big_fields, big_rc, big)):
-    print(f"| bench_train_mfu {f.get('preset', '?')} {f.get('dtype', '?')}, micro-batches of {rows} rows | "
+for f, rc, mb in ((fields, mfu_rc, "4"), (big_fields, big_rc, big)):
+    print(f"| bench_train_mfu {f.get('preset', '?')} {f.get('dtype', '?')}, micro-batches of {mb} rows | "
           f"MFU {f.get('mfu', '?')}, {f.get('tokens_per_s', '?')} tokens/s, step {f.get('step_s', '?')} s (exit {rc}) |")
 print(f"| one step profiled (micro-batches of 4) | {busy or 'no profile'} |")
 print(f"| GRPO fit, HF engine, 3 steps | {len(steps)} steps, step s "
