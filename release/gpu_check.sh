@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device check, within 8 minutes (issue #23), then a table:
 #   0. the CUDA tests: the packed attention against the dense reference on the device's fused kernels (fp32,
-#      bf16; values and gradients), the trainer's logits packed against dense, the HF engine on CUDA;
+#      bf16; values and gradients), the trainer's logits packed against dense, the HF engine on CUDA, and (GPU
+#      only) a Qwen VL policy's log-probs and a step with images;
 #   1. train-phase MFU of the Megatron trainer (`release/bench_train_mfu.py`): on a GPU Qwen2.5-0.5B's shape in
 #      bf16, with the packed (fused) attention, the trainer's default; 64 rows of 1024 tokens in micro-batches of
 #      4 rows (then one step profiled: GPU-busy share, top ops), and again in micro-batches of 16;
@@ -26,8 +27,12 @@ else
 fi
 echo "gpu_check: mode $MODE, logs in $OUT"
 start=$(date +%s)
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/train/test_packed_attention.py \
-  tests/rollout/test_rollout_hf.py::test_on_cuda_matches_reference_and_sleep_frees_the_device 2>&1 | tee "$OUT/tests.log"
+TESTS=(tests/train/test_packed_attention.py
+  tests/rollout/test_rollout_hf.py::test_on_cuda_matches_reference_and_sleep_frees_the_device)
+# on a GPU also a Qwen2-VL / Qwen2.5-VL policy (log-probs against transformers on the CPU, a step with images);
+# on the CPU the suite runs it already
+[ "$MODE" = gpu ] && TESTS+=(tests/vision/test_qwen_vl.py::test_policy_log_probs_and_a_step_with_images_once_per_prompt)
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 150 "$PY" release/bench_train_mfu.py "${MFU_ARGS[@]}" --micro-batch-size 4 --profile 15 2>&1 | tee "$OUT/mfu.log"
 mfu_rc=${PIPESTATUS[0]}
@@ -57,7 +62,7 @@ for path in sorted((out / "fit").glob("*/metrics.jsonl")):
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 steps = [r for r in rows if "time/step" in r]
 print(f"\n| check ({mode}) | result |\n|---|---|")
-print(f"| packed attention = dense, HF engine (pytest) | {tests.strip('= ')} (exit {tests_rc}) |")
+print(f"| CUDA tests: packed attention = dense, HF engine, Qwen VL policy (pytest) | {tests.strip('= ')} (exit {tests_rc}) |")
 for f, rc, mb in ((fields, mfu_rc, "4"), (big_fields, big_rc, big)):
     print(f"| bench_train_mfu {f.get('preset', '?')} {f.get('dtype', '?')}, micro-batches of {mb} rows | "
           f"MFU {f.get('mfu', '?')}, {f.get('tokens_per_s', '?')} tokens/s, step {f.get('step_s', '?')} s (exit {rc}) |")

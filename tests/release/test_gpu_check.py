@@ -28,7 +28,8 @@ def test_gpu_check_runs_in_cpu_mode(ray_cluster, tmp_path):
     ), log
     table = "\n".join(lines[-9:])
     assert re.search(
-        r"\| packed attention = dense, HF engine \(pytest\) \| \d+ passed, \d+ skipped .*\(exit 0\) \|", table
+        r"\| CUDA tests: packed attention = dense, HF engine, Qwen VL policy \(pytest\) \| \d+ passed, \d+ skipped .*\(exit 0\) \|",
+        table,
     )
     assert (
         "| bench_train_mfu tiny fp32, micro-batches of 4 rows | MFU 0." in table

@@ -263,13 +263,16 @@ def test_spec_checks_the_sections(tmp_path):
         build_tiny_qwen_vl(tmp_path, TinyQwenVLSpec(mrope_section=(4, 4, 4), text=TinyModelSpec()))
 
 
-def test_policy_log_probs_and_a_step_with_images_once_per_prompt(qwen):
+def test_policy_log_probs_and_a_step_with_images_once_per_prompt(qwen, monkeypatch):
     """`MegatronPolicy` on a Qwen VL directory: rows of two prompts with images (different grids) and one text
     prompt, the images held once per prompt (`PromptImages`), micro-batches of one group: every row's
-    log-probs equal transformers' on the row alone; a step with train_vision=projector moves the merger only."""
+    log-probs equal transformers' on the row alone; a step with train_vision=projector moves the merger only.
+    On CUDA (release/gpu_check.sh) the policy runs there against transformers on the CPU."""
     from yatt_ray.batch import Pixels, prompt_images
     from yatt_ray.train import MegatronPolicy
 
+    # on CUDA: fp32 convolutions (the patch embedding), as on the CPU
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     path, hf = qwen[0], qwen[1]
     pix_a, grid_a = images([(112, 56)], seed=5)
     pix_b, grid_b = images([(56, 56), (56, 84)], seed=6)
@@ -295,8 +298,10 @@ def test_policy_log_probs_and_a_step_with_images_once_per_prompt(qwen):
         torch.testing.assert_close(logp[i, width - len(r) :], want, atol=LOGITS_ATOL, rtol=0)
     features = policy.image_features(pixels)  # what a features-taking engine (vLLM) gets: the trainer's own
     assert [len(f) for f in features] == [int(grid_a.prod()) // 4, int(grid_b.prod(-1).sum()) // 4, 0]
+    device = next(policy.encoder.parameters()).device
     with torch.no_grad():
-        torch.testing.assert_close(features[1], policy.encoder(pix_b, grid_b), atol=1e-6, rtol=0)
+        direct = policy.encoder(pix_b.to(device), grid_b.to(device)).cpu()
+    torch.testing.assert_close(features[1], direct, atol=1e-6, rtol=0)
     merger = {n: t.detach().clone() for n, t in policy.encoder.named_parameters()}
 
     def loss_fn(lp, entropy, mb):
@@ -309,5 +314,6 @@ def test_policy_log_probs_and_a_step_with_images_once_per_prompt(qwen):
     exported = policy.hf_state_dict()
     assert exported is not None and any(n.startswith("visual.merger.") for n in exported)
     assert torch.equal(
-        exported["visual.merger.mlp.0.weight"], policy.encoder.visual.merger.mlp[0].weight.detach()
+        exported["visual.merger.mlp.0.weight"].cpu(),
+        policy.encoder.visual.merger.mlp[0].weight.detach().cpu(),
     )
