@@ -6,7 +6,7 @@ import torch
 from yatt_ray.batch import pack
 from yatt_ray.train import LlamaShape, build_gpt_model, seed_everything
 from yatt_ray.train.attention import packed_attention, segment_layout
-from yatt_ray.train.model import attention_input, forward_packed
+from yatt_ray.train.model import attention_input, forward_packed, model_rows
 from yatt_ray.train.packing import PAD_SEGMENT, pack_shared_prefix
 
 CUDA = pytest.mark.skipif(
@@ -89,6 +89,52 @@ def test_packed_attention_equals_dense_reference_in_values_and_gradients(
         assert (g.double() - w).abs().max() < tol * scale
 
 
+@pytest.mark.parametrize("whole_rows", [False, True])
+def test_flat_rows_attend_as_the_padded_rows(whole_rows):
+    """`SharedPrefixRows.flat()`: the real tokens as one row [1, T] with the re-indexed layout give the padded
+    rows' outputs at every real position, and the same gradients (float64, exact up to summation order)."""
+    gen = torch.Generator().manual_seed(7)
+    batch = _batch(gen, groups=6, n=4)
+    packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, 4)
+    length, rows, heads, d = packed.segment.shape[1], packed.segment.shape[0], 4, 8
+    real = packed.segment != PAD_SEGMENT
+    assert 0 < int(real.sum()) < real.numel()  # there is padding to drop
+    q, k, v = (torch.randn(length, rows, n, d, generator=gen, dtype=torch.float64) for n in (heads, 2, 2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    dense_up_to = 10**6 if whole_rows else 0
+    padded = packed_attention(q, k, v, segment_layout(packed.segment, dense_up_to), scale=0.3)
+    flat = packed.flat()
+    layout = segment_layout(packed.segment, dense_up_to).flattened(real)
+    assert (layout.visible is not None) == whole_rows
+    assert flat.input_ids.shape == (1, packed.tokens)
+    assert torch.equal(flat.input_ids[0], packed.input_ids[real])  # row-major order of the real tokens
+
+    def to_flat(x):  # [L, G, n, d] -> [T, 1, n, d]
+        return packed.on_flat(x.permute(2, 3, 1, 0)).permute(3, 2, 0, 1)
+
+    got = packed_attention(to_flat(q), to_flat(k), to_flat(v), layout, scale=0.3)
+    want = padded.transpose(0, 1)[real][:, None]  # [T, 1, h * d]
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-12
+    weights = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for g, w in zip(grads, want_grads):
+        assert (g - w).abs().max() < 1e-12 and w.abs().max() > 0
+
+
+def test_flat_rows_map_back_to_the_original_columns():
+    """Values at the flat row's positions unpack to the same [B, T-1] columns as the padded rows' values."""
+    gen = torch.Generator().manual_seed(8)
+    batch = _batch(gen, groups=3, n=4)
+    packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, 4)
+    values = torch.randn(packed.segment.shape, generator=gen)
+    flat = packed.flat()
+    assert torch.equal(flat.unpack(packed.on_flat(values)[0]), packed.unpack(values))
+    assert torch.equal(flat.targets[0], packed.targets[packed.segment != PAD_SEGMENT])
+    with pytest.raises(ValueError, match="before .flat"):
+        flat.attention_mask()
+
+
 def test_layout_is_linear_in_the_packed_length():
     """One group: a 512-token prompt and 8 samples of 2048: the layout holds sum_j (b + n_j) indices, no L x L."""
     body, n, own = 512, 8, 2048
@@ -150,3 +196,8 @@ def test_gpt_model_logits_packed_equal_dense_fp32(single_process_world):
     real = packed.segment != PAD_SEGMENT
     assert (got - want)[real].abs().max() < 1e-5
     assert got[real].abs().max() > 0.1  # the logits are not trivially equal
+    with (
+        torch.no_grad()
+    ):  # the trainer's form: the real tokens as one flat row (no padding through the layers)
+        flat = forward_packed(fused, model_rows(fused, packed.to("cpu")).to(packed.input_ids.device))
+    assert flat.shape[:2] == (1, int(real.sum())) and (flat[0] - want[real]).abs().max() < 1e-5

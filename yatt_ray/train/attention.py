@@ -56,10 +56,26 @@ class SegmentLayout:
     buckets: tuple[Tensor, ...]
     out_source: Tensor
     visible: Tensor | None = None
+    grid: Tensor | None = None
 
     def to(self, device) -> SegmentLayout:
-        visible = None if self.visible is None else self.visible.to(device)
-        return SegmentLayout(tuple(b.to(device) for b in self.buckets), self.out_source.to(device), visible)
+        visible, grid = (None if t is None else t.to(device) for t in (self.visible, self.grid))
+        buckets = tuple(b.to(device) for b in self.buckets)
+        return SegmentLayout(buckets, self.out_source.to(device), visible, grid)
+
+    def flattened(self, real: Tensor) -> SegmentLayout:
+        """This layout for its [G, L] rows' real positions (`real` [G, L] bool) laid end to end as one row of T
+        tokens (`SharedPrefixRows.flat`): the same attention, indexed into the flat row.
+
+        Buckets index the flat row; `out_source` [T] keeps each real position's entry. Whole masked rows get
+        `grid` [G * L]: the flat index each padded-row position reads (padding: any real one, never seen
+        through the mask), and `out_source` [T] = the padded-row position of each flat token."""
+        flat = real.reshape(-1)
+        keep = torch.nonzero(flat).flatten()
+        rank = (torch.cumsum(flat, 0) - 1).clamp(min=0)  # a real position's place in the flat row
+        if self.visible is not None:
+            return SegmentLayout((), keep, self.visible, rank)
+        return SegmentLayout(tuple(rank[b] for b in self.buckets), self.out_source[keep])
 
 
 def visible_mask(segment: Tensor) -> Tensor:
@@ -141,9 +157,7 @@ def packed_attention(
     """
     length, rows, heads, dim = query.shape
     if layout.visible is not None:  # whole short rows, one masked call
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [G, heads, L, d]
-        out = grouped_attention(q, k, v, scale, active_gqa(), mask=layout.visible)
-        return out.permute(2, 0, 1, 3).reshape(length, rows, heads * dim)
+        return _whole_rows(query, key, value, layout, scale)
 
     def flat(x: Tensor) -> Tensor:  # [L, G, n, d] -> [G * L, n, d]
         return x.transpose(0, 1).reshape(rows * length, x.shape[2], dim)
@@ -161,6 +175,29 @@ def packed_attention(
     outputs.append(query.new_zeros(1, heads * dim))
     out = torch.cat(outputs).index_select(0, layout.out_source)  # [G * L, h * d]
     return out.view(rows, length, heads * dim).transpose(0, 1)
+
+
+def _whole_rows(
+    query: Tensor, key: Tensor, value: Tensor, layout: SegmentLayout, scale: float | None
+) -> Tensor:
+    """Whole packed rows [G, L] in one masked call: [L, G, h, d] -> [L, G, h * d]; or, with `layout.grid`
+    (flat rows), [T, 1, h, d] gathered into the padded rows and the outputs taken back -> [T, 1, h * d]."""
+    if layout.grid is None:
+        length, rows, heads, dim = query.shape
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [G, heads, L, d]
+        out = grouped_attention(q, k, v, scale, active_gqa(), mask=layout.visible)
+        return out.permute(2, 0, 1, 3).reshape(length, rows, heads * dim)
+    assert layout.visible is not None
+    rows, length = layout.visible.shape[0], layout.visible.shape[-1]
+
+    def padded(x: Tensor) -> Tensor:  # [T, 1, n, d] -> [G, n, L, d]
+        return x[:, 0].index_select(0, layout.grid).view(rows, length, *x.shape[2:]).transpose(1, 2)
+
+    out = grouped_attention(
+        padded(query), padded(key), padded(value), scale, active_gqa(), mask=layout.visible
+    )
+    out = out.transpose(1, 2).reshape(rows * length, -1).index_select(0, layout.out_source)
+    return out[:, None]
 
 
 @functools.cache

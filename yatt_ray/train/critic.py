@@ -47,7 +47,13 @@ import torch.nn.functional as F
 
 from yatt_ray.errors import ConfigError
 from yatt_ray.train.hf_convert import StateDict, hf_to_megatron, megatron_to_hf
-from yatt_ray.train.model import build_gpt_model, forward_packed, load_megatron_shard, read_hf_state_dict
+from yatt_ray.train.model import (
+    build_gpt_model,
+    forward_packed,
+    load_megatron_shard,
+    model_rows,
+    read_hf_state_dict,
+)
 from yatt_ray.train.packing import pack_shared_prefix
 from yatt_ray.train.trainer_base import MegatronTrainerBase, write_hf_dir
 
@@ -159,10 +165,11 @@ class MegatronCritic(MegatronTrainerBase):
     ) -> torch.Tensor:
         """input_ids, attention_mask [B, T] -> values [B, T-1] float32; column t = V(state after token t).
         Shared-prefix packing of `group_size` consecutive rows, as in `MegatronPolicy`."""
-        packed = pack_shared_prefix(input_ids, attention_mask, group_size).to(self.device)
+        packed = pack_shared_prefix(input_ids, attention_mask, group_size)
         self.forward_tokens += packed.tokens
-        values = forward_packed(self.model, packed)  # [G, L, 1]
-        return packed.unpack(values[..., 0].float())
+        rows = model_rows(self.model, packed).to(self.device)  # one flat row [1, T] (packed attention)
+        values = forward_packed(self.model, rows)  # [1, T, 1] ([G, L, 1] dense)
+        return rows.unpack(values[..., 0].float())
 
     @torch.no_grad()
     def values(

@@ -206,6 +206,15 @@ def forward_packed(model, packed) -> torch.Tensor:
     return model(packed.input_ids, rope_positions(packed.position_ids), attention_input(model, packed))
 
 
+def model_rows(model, packed):
+    """The rows `model` runs over: under the packed attention the packed rows' real tokens as one flat row
+    (`SharedPrefixRows.flat`: no padding through the layers, the LM head or the log-probs); under the dense
+    reference (`attention="dense"`) the padded rows themselves."""
+    return (
+        packed.flat() if isinstance(_first_core_attention(model), shared_prefix_attention_class()) else packed
+    )
+
+
 def attention_input(model, packed):
     """What `model`'s attention takes for `packed`: its `SegmentLayout` (packed attention) or its dense
     [G, 1, L, L] mask (`attention="dense"`)."""

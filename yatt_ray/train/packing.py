@@ -55,15 +55,36 @@ class SharedPrefixRows:
     source: Tensor
     first_row: Tensor
     row: Tensor
+    layout: SegmentLayout | None = None  # flat rows (`flat`): their attention layout, made before flattening
 
     def attention_layout(self) -> SegmentLayout:
         """What the trainer's packed attention takes (`attention.SegmentLayout`): memory linear in L."""
-        return segment_layout(self.segment)
+        return segment_layout(self.segment) if self.layout is None else self.layout
 
     def attention_mask(self) -> Tensor:
         """[G, 1, L, L] bool, True = masked (see the module docstring); a query always sees itself. The dense
         form, for the reference attention in tests (`build_gpt_model(..., attention="dense")`)."""
+        if self.layout is not None:
+            raise ValueError("flat rows have no dense mask: take the padded rows' (before .flat())")
         return ~visible_mask(self.segment)
+
+    def flat(self) -> SharedPrefixRows:
+        """These rows' real tokens laid end to end as one row [1, T] (T = `tokens`), with the same attention
+        (the padded rows' layout, re-indexed: `SegmentLayout.flattened`) and `source` re-indexed to it;
+        `first_row` stays per group. The layers then run over T tokens instead of G x L: no row is padded to
+        the longest (at the benchmark's lengths a third of the positions). Call it on the CPU."""
+        real = self.segment != PAD_SEGMENT
+        total = int(real.sum())
+        rank = torch.full((real.numel() + 1,), total, dtype=torch.long)  # the zero at G * L -> the one at T
+        rank[torch.nonzero(real.reshape(-1)).flatten()] = torch.arange(total)
+        rows = [self.on_flat(t) for t in (self.input_ids, self.position_ids, self.segment, self.targets)]
+        layout = self.attention_layout().flattened(real)
+        return SharedPrefixRows(*rows, rank[self.source], self.first_row, self.on_flat(self.row), layout)
+
+    def on_flat(self, values: Tensor) -> Tensor:
+        """Values per packed position [..., G, L] -> [..., 1, T] at the real positions, in `flat()`'s order."""
+        keep = torch.nonzero((self.segment != PAD_SEGMENT).reshape(-1)).flatten().to(values.device)
+        return values.flatten(-2)[..., keep].unsqueeze(-2)
 
     def unpack(self, values: Tensor) -> Tensor:
         """Per-position values [G, L] (e.g. the log-prob of `targets`) -> [B, T-1] in the original columns,
@@ -72,7 +93,7 @@ class SharedPrefixRows:
         return flat[self.source]
 
     def to(self, device) -> SharedPrefixRows:
-        return SharedPrefixRows(*(t.to(device) for t in vars(self).values()))
+        return SharedPrefixRows(*(None if t is None else t.to(device) for t in vars(self).values()))
 
     @property
     def tokens(self) -> int:

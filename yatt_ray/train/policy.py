@@ -22,7 +22,7 @@ from yatt_ray.model_dir import is_vision_model
 from yatt_ray.train import qwen_vl
 from yatt_ray.train.hf_convert import StateDict, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
-from yatt_ray.train.model import build_gpt_model, forward_packed, load_hf_weights
+from yatt_ray.train.model import build_gpt_model, forward_packed, load_hf_weights, model_rows
 from yatt_ray.train.packing import pack_shared_prefix
 from yatt_ray.train.trainer_base import MegatronTrainerBase, write_hf_dir
 from yatt_ray.train.vision import (
@@ -145,9 +145,10 @@ class MegatronPolicy(MegatronTrainerBase):
         """
         packed = pack_shared_prefix(input_ids, attention_mask, group_size)  # built on the CPU
         self.forward_tokens += packed.tokens
-        on_device = packed.to(self.device)
+        rows = model_rows(model, packed)  # one flat row [1, T] under the packed attention
+        on_device = rows.to(self.device)
         if self.encoder is None:
-            logits = forward_packed(model, on_device)  # [G, L, V/tp]
+            logits = forward_packed(model, on_device)  # [G, L, V/tp] ([1, T, V/tp] flat)
         else:
             if images is None or image_prompt is None:
                 raise ValueError("a vision-language policy needs `images` and `image_prompt` with the batch")
@@ -157,6 +158,7 @@ class MegatronPolicy(MegatronTrainerBase):
             positions = None
             if isinstance(encoder, qwen_vl.QwenVisionEncoder):
                 positions = self._mrope(encoder, packed, input_ids, attention_mask, image_prompt, images)
+                positions = positions if rows is packed else packed.on_flat(positions)
             logits = forward_packed_with_images(model, on_device, features, encoder.image_token_id, positions)
         logp, entropy = token_logprobs_and_entropy(logits, on_device.targets, self.tp_group)
         return on_device.unpack(logp), on_device.unpack(entropy)
