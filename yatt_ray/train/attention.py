@@ -188,10 +188,10 @@ def _whole_rows(
         out = grouped_attention(q, k, v, scale, active_gqa(), mask=layout.visible)
         return out.permute(2, 0, 1, 3).reshape(length, rows, heads * dim)
     assert layout.visible is not None
-    rows, length = layout.visible.shape[0], layout.visible.shape[-1]
+    rows, length, grid = layout.visible.shape[0], layout.visible.shape[-1], layout.grid
 
     def padded(x: Tensor) -> Tensor:  # [T, 1, n, d] -> [G, n, L, d]
-        return x[:, 0].index_select(0, layout.grid).view(rows, length, *x.shape[2:]).transpose(1, 2)
+        return x[:, 0].index_select(0, grid).view(rows, length, *x.shape[2:]).transpose(1, 2)
 
     out = grouped_attention(
         padded(query), padded(key), padded(value), scale, active_gqa(), mask=layout.visible

@@ -77,9 +77,20 @@ class SharedPrefixRows:
         total = int(real.sum())
         rank = torch.full((real.numel() + 1,), total, dtype=torch.long)  # the zero at G * L -> the one at T
         rank[torch.nonzero(real.reshape(-1)).flatten()] = torch.arange(total)
-        rows = [self.on_flat(t) for t in (self.input_ids, self.position_ids, self.segment, self.targets)]
+        ids, positions, segment, targets = map(
+            self.on_flat, (self.input_ids, self.position_ids, self.segment, self.targets)
+        )
         layout = self.attention_layout().flattened(real)
-        return SharedPrefixRows(*rows, rank[self.source], self.first_row, self.on_flat(self.row), layout)
+        return SharedPrefixRows(
+            ids,
+            positions,
+            segment,
+            targets,
+            rank[self.source],
+            self.first_row,
+            self.on_flat(self.row),
+            layout,
+        )
 
     def on_flat(self, values: Tensor) -> Tensor:
         """Values per packed position [..., G, L] -> [..., 1, T] at the real positions, in `flat()`'s order."""
@@ -93,7 +104,8 @@ class SharedPrefixRows:
         return flat[self.source]
 
     def to(self, device) -> SharedPrefixRows:
-        return SharedPrefixRows(*(None if t is None else t.to(device) for t in vars(self).values()))
+        moved = {k: v.to(device) for k, v in vars(self).items() if v is not None}
+        return SharedPrefixRows(**moved)
 
     @property
     def tokens(self) -> int:
