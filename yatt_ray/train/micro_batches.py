@@ -6,16 +6,18 @@ indices, so callers always get rows in their original order.
 
 Fixed size: with k = max(1, micro_batch_size // group_size) groups per micro-batch, the G groups go into
 M = ceil(G / k) micro-batches of equal group count (sizes differ by at most one, none above k), taken in order
-of decreasing real tokens: the packed forward runs (groups x longest packed group) token positions per
-micro-batch, so groups of similar length together waste the least on padding (micro-batches run one after
+of decreasing real tokens: the layers run a micro-batch's real tokens only (`SharedPrefixRows.flat`), but its
+attention pads every group to the longest (whole masked rows), so groups of similar length together waste the
+least there (micro-batches run one after
 another, so balancing their sums would buy nothing; balancing across data-parallel ranks is `balance.py`'s).
 The longest groups share the first micro-batch, whose padded size, k x the longest, is what any split of the
 same counts has at its largest. Rows within a micro-batch are ascending; micro-batches are ordered by their
 first row.
 
 Token budget: `plan_micro_batches` plans units (groups) of given lengths so that (units x longest unit) stays
-within the budget, which is what the packed forward computes: `packing.pack_shared_prefix` packs each group
-into one row, padded to the micro-batch's longest. A group's real tokens bound its packed length from above,
+within the budget: `packing.pack_shared_prefix` packs each group into one row, padded to the micro-batch's
+longest (the layers then run only the real tokens, so the budget bounds them from above; the attention's
+padded rows are what it bounds exactly). A group's real tokens bound its packed length from above,
 so they are its planning length. Units are taken in order of DECREASING length (ties by index), and each
 micro-batch is filled greedily until the next unit would push the cost over the budget. Sorting first keeps
 units of similar length together, so little of the budget is spent on padding, and the first unit of a

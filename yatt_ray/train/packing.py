@@ -15,9 +15,11 @@ a body token sees the body before it; a segment token sees the whole body and it
 no token sees another segment or padding. The outputs at every real token are therefore those of the unpacked
 row, while the model runs over (c-1) + sum_j (len(s_j) - c + 1) tokens instead of n * width.
 
-The trainer's attention over packed rows (`attention.packed_attention`) runs fused causal kernels per
-[body; segment] sequence, so its memory grows linearly with the packed length and a group stays one packed row
-however long (splitting it would only compute its prompt again). `max_len` still splits a group whose packed
+The trainer runs the model over `flat()`: the rows' real tokens laid end to end as one row [1, T], so no
+layer computes the padding of every packed row to the longest (the attention gathers its own padded form
+inside its call). The trainer's attention over packed rows (`attention.packed_attention`) runs fused causal
+kernels per [body; segment] sequence, so its memory grows linearly with the packed length and a group stays
+one packed row however long (splitting it would only compute its prompt again). `max_len` still splits a group whose packed
 length would exceed it into sub-groups, for the dense reference (`attention_mask()`, an [L, L] mask) in tests.
 `group_size=1` is plain unpadding (each row alone, real tokens moved to the front). Any grouping gives the
 same results; only the cost differs.
