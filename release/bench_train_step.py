@@ -10,13 +10,15 @@ batch: --groups groups of 8 samples of one prompt (6-8 tokens), responses of 1 +
 
   - flat rows: the model over the packed rows' real tokens as one row (`SharedPrefixRows.flat`, the trainer's
     path) against the padded rows [G, L] (every group padded to the longest), alternating step by step in
-    each process;
-  - malloc: processes with glibc's malloc kept from returning freed memory (`cpu_shims._keep_freed_memory`,
-    the trainer's setting) against processes with glibc's defaults, alternating process by process; each
-    process also reports its page faults and system time.
+    a process with the trainer's malloc setting;
+  - malloc: a process with glibc's malloc kept from returning freed memory (`cpu_shims._keep_freed_memory`,
+    the trainer's setting) against one with glibc's defaults, both running flat steps only (tensors of two
+    sizes taking turns raise glibc's dynamic mmap threshold and hide much of its cost); each process also
+    reports its page faults and system time.
+Each run starts the three processes one after another; --runs rounds of them.
 
-Each process discards its first --warmup steps. Reported: per process the median step of each form; overall
-the median over processes. Last line:
+Each process discards its first --warmup steps of each form. Reported: per process the median step of each
+form; overall the median over processes. Last line:
     train_step: size=<s> flat_speedup=<padded / flat> malloc_speedup=<default / kept> step_s=<flat, kept>
 Run it on an idle machine (`uptime`); the ratios are measured side by side, absolute times are noisy.
 """
@@ -87,10 +89,11 @@ def child(args: argparse.Namespace) -> dict:
         return loss, {"loss": loss.detach()}
 
     flat_rows = policy_module.model_rows
-    times: dict[str, list[float]] = {"flat": [], "padded": []}
+    forms = args.forms.split(",")
+    times: dict[str, list[float]] = {form: [] for form in forms}
     before = resource.getrusage(resource.RUSAGE_SELF)
-    for step in range(2 * (args.warmup + args.steps)):
-        form = "flat" if step % 2 else "padded"
+    for step in range(len(forms) * (args.warmup + args.steps)):
+        form = forms[step % len(forms)]
         policy_module.model_rows = flat_rows if form == "flat" else (lambda model, packed: packed)
         start = time.perf_counter()
         policy.train_step(batch, loss_fn, micro_batch_size=len(batch["input_ids"]), group_size=8)
@@ -103,37 +106,44 @@ def child(args: argparse.Namespace) -> dict:
     }
 
 
+# the processes of one run: (forms alternating step by step, malloc setting)
+PROCESSES = (("flat,padded", "kept"), ("flat", "default"), ("flat", "kept"))
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="25m", help="a bench_vs_trl.py shape: 25m, 34m, 100m")
     p.add_argument("--groups", type=int, default=32, help="prompts per step (8 samples each)")
-    p.add_argument("--runs", type=int, default=3, help="processes per malloc setting")
+    p.add_argument("--runs", type=int, default=3, help="rounds of the three processes")
     p.add_argument("--steps", type=int, default=8, help="measured steps per form and process")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per form and process")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--malloc", choices=("kept", "default"), help=argparse.SUPPRESS)  # a child process
+    p.add_argument("--forms", default="flat", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.malloc:
         print(json.dumps(child(args)))
         return
     print(f"load average before: {os.getloadavg()}", flush=True)
-    results: dict[str, list[dict]] = {"kept": [], "default": []}
+    results: dict[tuple[str, str], list[dict]] = {kind: [] for kind in PROCESSES}
     for run in range(args.runs):
-        for malloc in ("default", "kept"):
-            cmd = [sys.executable, __file__, *argv, "--malloc", malloc]
+        for forms, malloc in PROCESSES:
+            cmd = [sys.executable, __file__, *argv, "--malloc", malloc, "--forms", forms]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
             r = json.loads(out.strip().splitlines()[-1])
-            results[malloc].append(r)
-            print(f"run {run + 1} malloc {malloc:7s}: flat {r['flat']:.3f} s, padded {r['padded']:.3f} s, "
-                  f"{r['faults']} page faults, {r['sys_s']:.1f} s system", flush=True)  # fmt: skip
-    med = {
-        m: {k: statistics.median(r[k] for r in rs) for k in ("flat", "padded")} for m, rs in results.items()
-    }
-    flat_speedup = med["kept"]["padded"] / med["kept"]["flat"]
-    malloc_speedup = med["default"]["flat"] / med["kept"]["flat"]
+            results[(forms, malloc)].append(r)
+            steps = ", ".join(f"{form} {r[form]:.3f} s" for form in forms.split(","))
+            print(f"run {run + 1} malloc {malloc:7s}: {steps}; {r['faults']} page faults, "
+                  f"{r['sys_s']:.1f} s system", flush=True)  # fmt: skip
+
+    def median(forms: str, malloc: str, form: str) -> float:
+        return statistics.median(r[form] for r in results[(forms, malloc)])
+
+    flat_speedup = median("flat,padded", "kept", "padded") / median("flat,padded", "kept", "flat")
+    malloc_speedup = median("flat", "default", "flat") / median("flat", "kept", "flat")
     print(f"load average after: {os.getloadavg()}")
     print(f"train_step: size={args.size} flat_speedup={flat_speedup:.2f} malloc_speedup={malloc_speedup:.2f} "
-          f"step_s={med['kept']['flat']:.3f}")  # fmt: skip
+          f"step_s={median('flat', 'kept', 'flat'):.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
