@@ -19,10 +19,10 @@ The trainer runs the model over `flat()`: the rows' real tokens laid end to end 
 layer computes the padding of every packed row to the longest (the attention gathers its own padded form
 inside its call). The trainer's attention over packed rows (`attention.packed_attention`) runs fused causal
 kernels per [body; segment] sequence, so its memory grows linearly with the packed length and a group stays
-one packed row however long (splitting it would only compute its prompt again). `max_len` still splits a group whose packed
-length would exceed it into sub-groups, for the dense reference (`attention_mask()`, an [L, L] mask) in tests.
-`group_size=1` is plain unpadding (each row alone, real tokens moved to the front). Any grouping gives the
-same results; only the cost differs.
+one packed row however long (splitting it would only compute its prompt again). `max_len` still splits a
+group whose packed length would exceed it into sub-groups, for the dense reference (`attention_mask()`, an
+[L, L] mask) in tests. `group_size=1` is plain unpadding (each row alone, real tokens moved to the front). Any
+grouping gives the same results; only the cost differs.
 """
 
 from __future__ import annotations
