@@ -11,7 +11,7 @@ batch: --groups groups of 8 samples of one prompt (6-8 tokens), responses of 1 +
   - flat rows: the model over the packed rows' real tokens as one row (`SharedPrefixRows.flat`, the trainer's
     path) against the padded rows [G, L] (every group padded to the longest), alternating step by step in
     a process with the trainer's malloc setting;
-  - malloc: a process with glibc's malloc kept from returning freed memory (`cpu_shims._keep_freed_memory`,
+  - malloc: a process with glibc's malloc kept from returning freed memory (`host_memory.keep_freed_memory`,
     the trainer's setting) against one with glibc's defaults, both running flat steps only (tensors of two
     sizes taking turns raise glibc's dynamic mmap threshold and hide much of its cost); each process also
     reports its page faults and system time.
@@ -70,7 +70,7 @@ def child(args: argparse.Namespace) -> dict:
     from yatt_ray.train.kernels import apply_kernels, choose_kernels
 
     if args.malloc == "default":
-        cpu_shims._keep_freed_memory = lambda: False
+        cpu_shims.keep_freed_memory = lambda: False
     torch.set_num_threads(args.threads)
     hidden, layers, heads, kv, inter = SIZES[args.size]
     spec = TinyModelSpec(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,

@@ -116,8 +116,8 @@ def test_freed_tensor_memory_is_reused_not_faulted_in_again():
     default would `mmap` each one fresh (over its 32 MiB ceiling) and fault in all 12k pages every time."""
     code = (
         "import resource, torch\n"
-        "from yatt_ray.train.cpu_shims import _keep_freed_memory\n"
-        "assert _keep_freed_memory()\n"
+        "from yatt_ray.host_memory import keep_freed_memory\n"
+        "assert keep_freed_memory()\n"
         "torch.empty(12 << 20).fill_(1.0)\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "for _ in range(20):\n"
@@ -127,4 +127,4 @@ def test_freed_tensor_memory_is_reused_not_faulted_in_again():
     faults = int(
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     )
-    assert faults < 12 * 1024  # less than one tensor's pages in 20 rounds (the default: ~20 x 12k)
+    assert faults < 3 * 12 * 1024  # at most a few tensors' pages in 20 rounds (the default: ~20 x 12k)

@@ -80,6 +80,7 @@ import torch
 
 from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, DataError, YattError
+from yatt_ray.host_memory import release_freed_memory
 from yatt_ray.model_dir import read_config
 from yatt_ray.rollout.base import (
     Completion,
@@ -734,6 +735,7 @@ def _release_cpu_kv_cache(worker: Any) -> int:
     worker._yatt_kv_nbytes = [(s, s.nbytes()) for s in storages]
     for storage in storages:
         storage.resize_(0)
+    release_freed_memory()  # out of the process, whatever its malloc keeps (host_memory)
     return sum(n for _, n in worker._yatt_kv_nbytes)
 
 

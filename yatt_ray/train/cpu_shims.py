@@ -4,12 +4,9 @@ Megatron assumes CUDA in a handful of places that a CPU run reaches (see `shared
 patch the library applies lives in this one module, each with the reason next to it. `apply_cpu_shims()` is
 idempotent and does nothing at all when CUDA is available, so GPU runs see an unmodified Megatron.
 
-Two patches are for speed, not for function. glibc's malloc keeps the memory freed tensors give back
-(`_keep_freed_memory`): by default every tensor over 32 MiB (and, after a trim, smaller ones) is a fresh `mmap`,
-whose pages the kernel faults in and zeroes on first touch and unmaps at free; a 25M-parameter train step at
-~1,300 tokens took 1.5M page faults and 7 s of system time in 14 steps, 0.35M and 3 s with the setting, and
-its steps 1.2x faster (three runs each, alternating, one process; README). And Megatron's tensor-parallel
-linear layers run their three matmuls
+Two changes are for speed, not for function. glibc's malloc keeps the memory freed tensors give back
+(`host_memory.keep_freed_memory`: no fresh, zero-faulted pages for every activation). And Megatron's
+tensor-parallel linear layers run their three matmuls
 (forward, input gradient, weight gradient) through oneDNN instead of `torch.matmul`. torch's CPU wheel does
 fp32 GEMM with MKL, which on AMD CPUs picks a slow code path: measured on this project's 2-core AMD EPYC
 (AVX-512), `torch.matmul` [2560, 512] x [512, 2048] reached 190 GFLOP/s and oneDNN 470-510 GFLOP/s, fp32 both
@@ -35,6 +32,7 @@ import functools
 
 import torch
 
+from yatt_ray.host_memory import keep_freed_memory
 from yatt_ray.train.kernels import active_linear
 
 _APPLIED = False
@@ -50,31 +48,9 @@ def apply_cpu_shims() -> bool:
     _patch_torch_cuda()
     _patch_rng_tracker()
     _patch_linear_matmuls()
-    _keep_freed_memory()
+    keep_freed_memory()
     _APPLIED = True
     return True
-
-
-# glibc mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def _keep_freed_memory() -> bool:
-    """Make glibc's malloc serve tensors under 1 GiB from its heap and keep what they free (no trimming below
-    2 GiB of free top, 64 MiB added per growth), so that a step reuses the last step's pages instead of
-    faulting in fresh zeroed ones for every activation (see the module docstring). The process's resident
-    memory then stays near its peak, which a training worker reaches every step anyway. False (and nothing
-    changed) off glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): its own allocator's defaults stay
-        return False
-    settings = ((M_MMAP_THRESHOLD, 1 << 30), (M_TRIM_THRESHOLD, (1 << 31) - 1), (M_TOP_PAD, 64 << 20))
-    return all(mallopt(param, value) == 1 for param, value in settings)
 
 
 def _patch_torch_cuda() -> None:
