@@ -649,6 +649,13 @@ def print_setup(args: argparse.Namespace, spec, model_dir: Path, warm: dict, mic
     print(f"settings: {args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, T=1, lr "
           f"{args.lr} constant, no KL, {args.steps} steps, seed {args.seed}, micro-batch {micro}; medians over "
           f"steps {FIRST_MEASURED_STEP}-{args.steps}; cores {os.cpu_count()}", flush=True)  # fmt: skip
+    import torch
+
+    from yatt_ray.train.kernels import ISA_CAPS
+
+    caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]  # e.g. an AVX-512 CPU run as AVX2
+    print(f"instruction set: {torch.backends.cpu.get_cpu_capability()}"
+          + (f", capped by {' '.join(caps)}" if caps else ""), flush=True)  # fmt: skip
 
 
 def report(fresh: dict[str, RunResult], main_runs: dict[str, RunResult | None]) -> None:

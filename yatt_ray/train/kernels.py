@@ -84,9 +84,17 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     )
 
 
+# environment variables that cap the instruction set a GEMM library uses (an AVX-512 CPU run as an AVX2 one)
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def cache_key(*parts) -> str:
-    """A cache key for a measurement on this machine: the CPU model and torch version, then `parts`."""
-    return "|".join(map(str, (parts[0], _cpu_model(), torch.__version__, *parts[1:])))
+    """A cache key for a measurement on this machine: the CPU model, torch version and the instruction-set
+    caps set in the environment (`ISA_CAPS`: the same CPU measures differently under them), then `parts`."""
+    caps = ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
+    return "|".join(
+        map(str, (parts[0], _cpu_model(), torch.__version__, *([caps] if caps else []), *parts[1:]))
+    )
 
 
 def cached_measurement(key: str, measure, read=lambda v: v):
