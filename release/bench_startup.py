@@ -11,6 +11,12 @@ figures are from the runs after it (a warm machine: packages installed, demo mod
 (every run's total is printed). Prints the stage table, then one line:
 
     startup: first_step_s=<command -> end of step 1> step1_over_step3=<time/step of step 1 / of step 3>
+
+`--floor N` also times, N times on a local cluster of this process, a Ray Train run that does nothing with the
+demo's two workers, configured as `fit()` configures its own (the health-check interval, no preemption
+watcher): the part of the `worker_started` stage that is Ray Train's (a controller, two worker processes that
+import Ray Train and torch and join a process group, each a fresh process every run), and what ending a run
+costs. It prints `ray_train_floor: entered_s=<median> fit_s=<median>` before the last line.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +48,47 @@ def one_run(out: Path, overrides: list[str]) -> tuple[dict[str, float], list[dic
     return marks, [r for r in rows if "time/step" in r]
 
 
+def _noop_train(config: dict) -> None:
+    import ray.train
+
+    if ray.train.get_context().get_world_rank() == 0:
+        Path(config["path"]).write_text(str(time.time()))
+
+
+def ray_train_floor(runs: int, workers: int = 2) -> tuple[float, float]:
+    """Median seconds from `TorchTrainer.fit()` to rank 0 entering a train function that does nothing, and
+    of the whole `fit()`, over `runs` runs on a local cluster."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from yatt_ray.console import LOCAL_QUIET_ENV
+    from yatt_ray.fit import TRAIN_POLL_S
+
+    os.environ.update(LOCAL_QUIET_ENV)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(TRAIN_POLL_S))
+    ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    entered, total = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            mark = Path(tmp) / f"entered{i}"
+            start = time.time()
+            TorchTrainer(
+                _noop_train,
+                train_loop_config={"path": str(mark)},
+                scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+                run_config=RunConfig(storage_path=tmp, name=f"floor{i}"),
+            ).fit()
+            total.append(time.time() - start)
+            entered.append(float(mark.read_text()) - start)
+            print(
+                f"no-op Ray Train run {i + 1}: entered {entered[-1]:.1f} s, fit() {total[-1]:.1f} s",
+                flush=True,
+            )
+    ray.shutdown()
+    return statistics.median(entered), statistics.median(total)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -47,7 +96,12 @@ def main() -> None:
     parser.add_argument(
         "--runs", type=int, default=4, help="runs in a row; the median after the first is reported"
     )
+    parser.add_argument(
+        "--floor", type=int, default=0, help="also time this many no-op Ray Train runs (see above)"
+    )
     args, overrides = parser.parse_known_args()
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: give at least 1 (the table is a run's)")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
@@ -64,6 +118,9 @@ def main() -> None:
         phases = ("rollout", "reward", "logprobs", "train", "weight_sync", "orchestration")
         parts = ", ".join(f"{p} {r[f'time/{p}']:.2f}" for p in phases if f"time/{p}" in r)
         print(f"step {int(r['step'])}: {r['time/step']:.2f} s ({parts})")
+    if args.floor:
+        entered, total = ray_train_floor(args.floor)
+        print(f"ray_train_floor: entered_s={entered:.1f} fit_s={total:.1f}")
     print(f"startup: first_step_s={first_step_seconds(marks):.1f} step1_over_step3={ratio:.2f}")
 
 
