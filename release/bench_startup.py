@@ -100,8 +100,10 @@ def main() -> None:
         "--floor", type=int, default=0, help="also time this many no-op Ray Train runs (see above)"
     )
     args, overrides = parser.parse_known_args()
-    if args.runs < 1:
-        parser.error(f"--runs {args.runs}: give at least 1 (the table is a run's)")
+    if args.runs < 1 or args.floor < 0:
+        parser.error(
+            f"--runs {args.runs} --floor {args.floor}: give --runs >= 1 (the table is a run's), --floor >= 0"
+        )
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
