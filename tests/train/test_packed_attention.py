@@ -6,7 +6,7 @@ import torch
 from yatt_ray.batch import pack
 from yatt_ray.train import LlamaShape, build_gpt_model, seed_everything
 from yatt_ray.train.attention import packed_attention, segment_layout
-from yatt_ray.train.model import attention_input, forward_packed, model_rows
+from yatt_ray.train.model import FLAT_MULTIPLE, attention_input, forward_packed, model_rows
 from yatt_ray.train.packing import PAD_SEGMENT, pack_shared_prefix
 
 CUDA = pytest.mark.skipif(
@@ -90,29 +90,40 @@ def test_packed_attention_equals_dense_reference_in_values_and_gradients(
 
 
 @pytest.mark.parametrize("whole_rows", [False, True])
-def test_flat_rows_attend_as_the_padded_rows(whole_rows):
-    """`SharedPrefixRows.flat()`: the real tokens as one row [1, T] with the re-indexed layout give the padded
-    rows' outputs at every real position, and the same gradients (float64, exact up to summation order)."""
+@pytest.mark.parametrize("multiple", [1, 16])
+def test_flat_rows_attend_as_the_padded_rows(whole_rows, multiple):
+    """`SharedPrefixRows.flat(multiple)`: the real tokens as one row [1, T'] (T rounded up to `multiple`, the
+    end padded) with the re-indexed layout give the padded rows' outputs at every real position, and the same
+    gradients (float64, exact up to summation order), whatever the padding tokens carry."""
     gen = torch.Generator().manual_seed(7)
     batch = _batch(gen, groups=6, n=4)
     packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, 4)
     length, rows, heads, d = packed.segment.shape[1], packed.segment.shape[0], 4, 8
     real = packed.segment != PAD_SEGMENT
-    assert 0 < int(real.sum()) < real.numel()  # there is padding to drop
+    tokens = int(real.sum())
+    assert 0 < tokens < real.numel()  # there is padding to drop
+    padded_to = -(-tokens // multiple) * multiple
+    assert multiple == 1 or padded_to > tokens  # the flat row has padding of its own to ignore
     q, k, v = (torch.randn(length, rows, n, d, generator=gen, dtype=torch.float64) for n in (heads, 2, 2))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     dense_up_to = 10**6 if whole_rows else 0
     padded = packed_attention(q, k, v, segment_layout(packed.segment, dense_up_to), scale=0.3)
-    flat = packed.flat()
-    layout = segment_layout(packed.segment, dense_up_to).flattened(real)
+    flat = packed.flat(multiple)
+    layout = segment_layout(packed.segment, dense_up_to).flattened(real, padded_to)
     assert (layout.visible is not None) == whole_rows
-    assert flat.input_ids.shape == (1, packed.tokens)
-    assert torch.equal(flat.input_ids[0], packed.input_ids[real])  # row-major order of the real tokens
+    assert flat.input_ids.shape == (1, padded_to) and flat.tokens == packed.tokens == tokens
+    assert torch.equal(
+        flat.input_ids[0, :tokens], packed.input_ids[real]
+    )  # row-major order of the real tokens
+    assert (flat.segment[0, tokens:] == PAD_SEGMENT).all() and (flat.targets[0, tokens:] == 0).all()
 
-    def to_flat(x):  # [L, G, n, d] -> [T, 1, n, d]
-        return packed.on_flat(x.permute(2, 3, 1, 0)).permute(3, 2, 0, 1)
+    def to_flat(x):  # [L, G, n, d] -> [T', 1, n, d]: the padding carries noise, which must not leak
+        noise = 100 * torch.randn(padded_to - tokens, 1, x.shape[2], d, generator=gen, dtype=x.dtype)
+        return torch.cat([packed.on_flat(x.permute(2, 3, 1, 0)).permute(3, 2, 0, 1), noise])
 
     got = packed_attention(to_flat(q), to_flat(k), to_flat(v), layout, scale=0.3)
+    assert got.shape[0] == padded_to
+    got = got[:tokens]
     want = padded.transpose(0, 1)[real][:, None]  # [T, 1, h * d]
     assert got.shape == want.shape and (got - want).abs().max() < 1e-12
     weights = torch.randn(want.shape, generator=gen, dtype=torch.float64)
@@ -131,6 +142,18 @@ def test_flat_rows_map_back_to_the_original_columns():
     flat = packed.flat()
     assert torch.equal(flat.unpack(packed.on_flat(values)[0]), packed.unpack(values))
     assert torch.equal(flat.targets[0], packed.targets[packed.segment != PAD_SEGMENT])
+    # rounded up to 64 tokens: the padding's values are never read back
+    rounded = packed.flat(64)
+    length = rounded.input_ids.shape[-1]
+    assert length % 64 == 0 and 0 < length - packed.tokens < 64
+    noisy = torch.cat([packed.on_flat(values)[0], torch.full((length - packed.tokens,), 1e9)])
+    assert torch.equal(
+        packed.on_flat(values, length, fill=7)[0, packed.tokens :],
+        torch.full_like(noisy[packed.tokens :], 7),
+    )
+    assert torch.equal(rounded.unpack(noisy), packed.unpack(values))
+    with pytest.raises(ValueError, match="multiple=0"):
+        packed.flat(0)
     with pytest.raises(ValueError, match="before .flat"):
         flat.attention_mask()
 
@@ -200,4 +223,9 @@ def test_gpt_model_logits_packed_equal_dense_fp32(single_process_world):
         torch.no_grad()
     ):  # the trainer's form: the real tokens as one flat row (no padding through the layers)
         flat = forward_packed(fused, model_rows(fused, packed.to("cpu")).to(packed.input_ids.device))
-    assert flat.shape[:2] == (1, int(real.sum())) and (flat[0] - want[real]).abs().max() < 1e-5
+    tokens = int(real.sum())  # on a CPU the flat row is rounded up to FLAT_MULTIPLE tokens, padding ignored
+    multiple = FLAT_MULTIPLE if packed.input_ids.device.type == "cpu" else 1
+    assert flat.shape[:2] == (1, -(-tokens // multiple) * multiple) and (
+        multiple == 1 or flat.shape[1] > tokens
+    )
+    assert (flat[0, :tokens] - want[real]).abs().max() < 1e-5

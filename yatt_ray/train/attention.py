@@ -63,19 +63,26 @@ class SegmentLayout:
         buckets = tuple(b.to(device) for b in self.buckets)
         return SegmentLayout(buckets, self.out_source.to(device), visible, grid)
 
-    def flattened(self, real: Tensor) -> SegmentLayout:
+    def flattened(self, real: Tensor, length: int | None = None) -> SegmentLayout:
         """This layout for its [G, L] rows' real positions (`real` [G, L] bool) laid end to end as one row of T
-        tokens (`SharedPrefixRows.flat`): the same attention, indexed into the flat row.
+        tokens (`SharedPrefixRows.flat`), padded to `length` >= T tokens at the end (default T): the same
+        attention, indexed into the flat row; no token reads the padding.
 
-        Buckets index the flat row; `out_source` [T] keeps each real position's entry. Whole masked rows get
-        `grid` [G * L]: the flat index each padded-row position reads (padding: any real one, never seen
-        through the mask), and `out_source` [T] = the padded-row position of each flat token."""
+        Buckets index the flat row; `out_source` [T'] keeps each real position's entry (padding: the zero row).
+        Whole masked rows get `grid` [G * L]: the flat index each padded-row position reads (padding: any real
+        one, never seen through the mask), and `out_source` [T'] = the padded-row position of each flat token
+        (padding: position 0's output, which nothing downstream of a padding token reads)."""
         flat = real.reshape(-1)
         keep = torch.nonzero(flat).flatten()
+        pad = (len(keep) if length is None else length) - len(keep)
+        if pad < 0:
+            raise ValueError(f"length={length} is below the {len(keep)} real positions")
         rank = (torch.cumsum(flat, 0) - 1).clamp(min=0)  # a real position's place in the flat row
         if self.visible is not None:
-            return SegmentLayout((), keep, self.visible, rank)
-        return SegmentLayout(tuple(rank[b] for b in self.buckets), self.out_source[keep])
+            return SegmentLayout((), torch.cat([keep, keep.new_zeros(pad)]), self.visible, rank)
+        zero_row = sum(b.numel() for b in self.buckets)
+        out_source = torch.cat([self.out_source[keep], keep.new_full((pad,), zero_row)])
+        return SegmentLayout(tuple(rank[b] for b in self.buckets), out_source)
 
 
 def visible_mask(segment: Tensor) -> Tensor:

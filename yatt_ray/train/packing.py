@@ -70,34 +70,41 @@ class SharedPrefixRows:
             raise ValueError("flat rows have no dense mask: take the padded rows' (before .flat())")
         return ~visible_mask(self.segment)
 
-    def flat(self) -> SharedPrefixRows:
-        """These rows' real tokens laid end to end as one row [1, T] (T = `tokens`), with the same attention
-        (the padded rows' layout, re-indexed: `SegmentLayout.flattened`) and `source` re-indexed to it;
-        `first_row` stays per group. The layers then run over T tokens instead of G x L: no row is padded to
-        the longest (at the benchmark's lengths a third of the positions). Call it on the CPU."""
+    def flat(self, multiple: int = 1) -> SharedPrefixRows:
+        """These rows' real tokens laid end to end as one row [1, T'] (T = `tokens` of them), with the same
+        attention (the padded rows' layout, re-indexed: `SegmentLayout.flattened`) and `source` re-indexed to
+        it; `first_row` stays per group. The layers then run over T tokens instead of G x L: no row is padded
+        to the longest (at the benchmark's lengths a third of the positions). Call it on the CPU.
+
+        T' = T rounded up to a multiple of `multiple`: padding at the end (token 0, position 0, segment -1,
+        predicting nothing, attended by no token), so that batches of nearby sizes run the same matrix shapes
+        (the trainer's `model.FLAT_MULTIPLE`: on a CPU oneDNN builds a kernel for every new shape)."""
+        if multiple < 1:
+            raise ValueError(f"multiple={multiple} must be >= 1")
         real = self.segment != PAD_SEGMENT
         total = int(real.sum())
-        rank = torch.full((real.numel() + 1,), total, dtype=torch.long)  # the zero at G * L -> the one at T
+        length = -(-total // multiple) * multiple
+        rank = torch.full((real.numel() + 1,), length, dtype=torch.long)  # the zero at G * L -> the one at T'
         rank[torch.nonzero(real.reshape(-1)).flatten()] = torch.arange(total)
-        ids, positions, segment, targets = map(
-            self.on_flat, (self.input_ids, self.position_ids, self.segment, self.targets)
-        )
-        layout = self.attention_layout().flattened(real)
         return SharedPrefixRows(
-            ids,
-            positions,
-            segment,
-            targets,
+            self.on_flat(self.input_ids, length),
+            self.on_flat(self.position_ids, length),
+            self.on_flat(self.segment, length, fill=PAD_SEGMENT),
+            self.on_flat(self.targets, length),
             rank[self.source],
             self.first_row,
-            self.on_flat(self.row),
-            layout,
+            self.on_flat(self.row, length, fill=-1),
+            self.attention_layout().flattened(real, length),
         )
 
-    def on_flat(self, values: Tensor) -> Tensor:
-        """Values per packed position [..., G, L] -> [..., 1, T] at the real positions, in `flat()`'s order."""
+    def on_flat(self, values: Tensor, length: int | None = None, fill: int = 0) -> Tensor:
+        """Values per packed position [..., G, L] -> [..., 1, T] at the real positions, in `flat()`'s order;
+        a `length` above T pads the end to it with `fill` (as `flat(multiple)` does)."""
         keep = torch.nonzero((self.segment != PAD_SEGMENT).reshape(-1)).flatten().to(values.device)
-        return values.flatten(-2)[..., keep].unsqueeze(-2)
+        out = values.flatten(-2)[..., keep]
+        if length is not None and length > out.shape[-1]:
+            out = torch.nn.functional.pad(out, (0, length - out.shape[-1]), value=fill)
+        return out.unsqueeze(-2)
 
     def unpack(self, values: Tensor) -> Tensor:
         """Per-position values [G, L] (e.g. the log-prob of `targets`) -> [B, T-1] in the original columns,

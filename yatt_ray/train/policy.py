@@ -158,7 +158,9 @@ class MegatronPolicy(MegatronTrainerBase):
             positions = None
             if isinstance(encoder, qwen_vl.QwenVisionEncoder):
                 positions = self._mrope(encoder, packed, input_ids, attention_mask, image_prompt, images)
-                positions = positions if rows is packed else packed.on_flat(positions)
+                positions = (
+                    positions if rows is packed else packed.on_flat(positions, rows.input_ids.shape[-1])
+                )
             logits = forward_packed_with_images(model, on_device, features, encoder.image_token_id, positions)
         logp, entropy = token_logprobs_and_entropy(logits, on_device.targets, self.tp_group)
         return on_device.unpack(logp), on_device.unpack(entropy)
