@@ -12,11 +12,11 @@ figures are from the runs after it (a warm machine: packages installed, demo mod
 
     startup: first_step_s=<command -> end of step 1> step1_over_step3=<time/step of step 1 / of step 3>
 
-`--floor N` also times, N times on a local cluster of this process, a Ray Train run that does nothing with the
-demo's two workers, configured as `fit()` configures its own (the health-check interval, no preemption
-watcher): the part of the `worker_started` stage that is Ray Train's (a controller, two worker processes that
+`--floor N` also times, N times on a local cluster of this process, a Ray Train run that does nothing with as
+many workers as the measured runs train with (train.dp_size x train.tp_size after the overrides; the demo's
+two), configured as `fit()` configures its own (the health-check interval, no preemption watcher): the part of the `worker_started` stage that is Ray Train's (a controller, two worker processes that
 import Ray Train and torch and join a process group, each a fresh process every run), and what ending a run
-costs. It prints `ray_train_floor: entered_s=<median> fit_s=<median>` before the last line.
+costs. It prints `ray_train_floor: entered_s=<median> fit_s=<median> workers=<n>` before the last line.
 """
 
 from __future__ import annotations
@@ -55,7 +55,15 @@ def _noop_train(config: dict) -> None:
         Path(config["path"]).write_text(str(time.time()))
 
 
-def ray_train_floor(runs: int, workers: int = 2) -> tuple[float, float]:
+def training_workers(overrides: list[str]) -> int:
+    """The demo's training workers under these overrides: train.dp_size x train.tp_size."""
+    from yatt_ray import load_config
+
+    config = load_config(REPO / "examples" / "configs" / "grpo.yaml", [o for o in overrides if "=" in o])
+    return config.train.dp_size * config.train.tp_size
+
+
+def ray_train_floor(runs: int, workers: int) -> tuple[float, float]:
     """Median seconds from `TorchTrainer.fit()` to rank 0 entering a train function that does nothing, and
     of the whole `fit()`, over `runs` runs on a local cluster."""
     import ray
@@ -121,8 +129,9 @@ def main() -> None:
         parts = ", ".join(f"{p} {r[f'time/{p}']:.2f}" for p in phases if f"time/{p}" in r)
         print(f"step {int(r['step'])}: {r['time/step']:.2f} s ({parts})")
     if args.floor:
-        entered, total = ray_train_floor(args.floor)
-        print(f"ray_train_floor: entered_s={entered:.1f} fit_s={total:.1f}")
+        workers = training_workers(overrides)
+        entered, total = ray_train_floor(args.floor, workers)
+        print(f"ray_train_floor: entered_s={entered:.1f} fit_s={total:.1f} workers={workers}")
     print(f"startup: first_step_s={first_step_seconds(marks):.1f} step1_over_step3={ratio:.2f}")
 
 
