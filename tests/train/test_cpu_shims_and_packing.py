@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from yatt_ray.train import apply_cpu_shims, pack_shared_prefix
-from yatt_ray.train.cpu_shims import OneDnnLinear, onednn_linear_available
+from yatt_ray.train.cpu_shims import OneDnnLinear, onednn_linear_available, weight_grad
+from yatt_ray.train.kernels import WGRAD, KernelChoice, apply_kernels
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are a no-op with CUDA")
@@ -96,19 +97,55 @@ def test_any_grouping_gives_the_unpacked_rows_outputs(single_process_world):
 
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear op")
-def test_onednn_linear_matches_torch_in_value_and_gradients():
+@pytest.mark.parametrize("wgrad_rows", [0, 1])  # direct; transposed from 1 row on
+@pytest.mark.parametrize("out_features", [24, 12])  # wider out than in (N > K: the form matters); narrower
+def test_onednn_linear_matches_torch_in_value_and_gradients(wgrad_rows, out_features):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 16, generator=gen, requires_grad=True)
-    w = torch.randn(24, 16, generator=gen, requires_grad=True)
-    b = torch.randn(24, generator=gen, requires_grad=True)
-    up = torch.randn(3, 5, 24, generator=gen)
-    ours = OneDnnLinear.apply(x, w, b, False, None)
-    grads = torch.autograd.grad((ours * up).sum(), (x, w, b))
+    w = torch.randn(out_features, 16, generator=gen, requires_grad=True)
+    b = torch.randn(out_features, generator=gen, requires_grad=True)
+    up = torch.randn(3, 5, out_features, generator=gen)
+    try:
+        apply_kernels(KernelChoice("onednn", torch.get_num_threads(), "native", 0, {}, wgrad_rows))
+        ours = OneDnnLinear.apply(x, w, b, False, None)
+        grads = torch.autograd.grad((ours * up).sum(), (x, w, b))
+    finally:
+        apply_kernels(None)
     ref = torch.nn.functional.linear(x, w, b)
     expected = torch.autograd.grad((ref * up).sum(), (x, w, b))
     assert torch.allclose(ours, ref, atol=1e-5)
     for got, want in zip(grads, expected):
         assert torch.allclose(got, want, atol=1e-4)
+    assert grads[1].is_contiguous()  # laid out as the weight, whichever form computed it
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear op")
+def test_weight_grad_forms_agree_and_the_active_one_runs(monkeypatch):
+    """Both forms of dW = g^T x give the same [N, K] result; the transposed one hands oneDNN x^T (not g^T) as
+    its first operand, only for a layer wider out than in, and by default from the measured row count on."""
+    from yatt_ray.train import cpu_shims
+
+    gen = torch.Generator().manual_seed(1)
+    firsts: list[tuple[int, int]] = []
+    real = cpu_shims.onednn_mm_t
+    monkeypatch.setattr(cpu_shims, "onednn_mm_t", lambda a, b: firsts.append(tuple(a.shape)) or real(a, b))
+    for n, k in ((96, 32), (32, 96)):
+        g, x = torch.randn(40, n, generator=gen), torch.randn(40, k, generator=gen)
+        want = g.t() @ x
+        for form in WGRAD:
+            firsts.clear()
+            got = weight_grad(g, x, form)
+            assert got.shape == (n, k) and torch.allclose(got, want, atol=1e-4), (form, n, k)
+            assert firsts == [(k, 40) if form == "transposed" and n > k else (n, 40)], (form, n, k, firsts)
+    g, x = torch.randn(40, 96, generator=gen), torch.randn(40, 32, generator=gen)
+    try:  # with no form given, the measured row count decides
+        for from_rows, first in ((0, (96, 40)), (41, (96, 40)), (40, (32, 40)), (8, (32, 40))):
+            apply_kernels(KernelChoice("onednn", 1, "native", 0, {}, from_rows))
+            firsts.clear()
+            weight_grad(g, x)
+            assert firsts == [first], (from_rows, firsts)
+    finally:
+        apply_kernels(None)
 
 
 def test_freed_tensor_memory_is_reused_not_faulted_in_again():

@@ -30,6 +30,19 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     assert rates[f"gqa_{choice.gqa}"] == min(rates["gqa_native"], rates["gqa_expand"])
     assert "linear " + choice.linear in choice.describe() and "GQA " + choice.gqa in choice.describe()
     assert choice.dense_rows in (0, *K.ROW_LENGTHS)
+    if (
+        choice.linear == "onednn"
+    ):  # wide layers' weight gradient transposed from the first row count it won at
+        for rows in K.WGRAD_ROWS:
+            won = rates[f"wgrad_transposed_{rows}"] < rates[f"wgrad_direct_{rows}"]
+            assert won == (rows == choice.wgrad_rows), (rows, choice.wgrad_rows, rates)
+            if won:
+                assert f"transposed from {rows} rows" in choice.describe()
+                break
+        else:
+            assert choice.wgrad_rows == 0 and "weight gradient direct" in choice.describe()
+    else:
+        assert choice.wgrad_rows == 0 and not any(k.startswith("wgrad_") for k in rates)
     for length in K.ROW_LENGTHS:  # masked rows up to the first length where they stop being faster
         if length <= choice.dense_rows:
             assert rates[f"rows_{length}"] < rates[f"sequences_{length}"]

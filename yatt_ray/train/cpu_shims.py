@@ -33,7 +33,7 @@ import functools
 import torch
 
 from yatt_ray.host_memory import keep_freed_memory
-from yatt_ray.train.kernels import active_linear
+from yatt_ray.train.kernels import active_linear, active_wgrad_rows
 
 _APPLIED = False
 
@@ -139,6 +139,20 @@ def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 
+def weight_grad(g: torch.Tensor, x: torch.Tensor, form: str | None = None) -> torch.Tensor:
+    """dW = g^T x [N, K] for g [T, N], x [T, K], with oneDNN in `form` (`kernels.WGRAD`; default: "transposed"
+    from the measured `kernels.active_wgrad_rows()` rows on). oneDNN reads its first operand in its own layout,
+    so "direct" (g^T, x^T) copies g^T [N, T] first; for N > K "transposed" computes (x^T g)^T instead: it
+    copies only x^T [K, T], reads g^T as the weight operand (reordered inside the product) and returns the
+    [K, N] result laid out as [N, K]."""
+    if form is None:
+        from_rows = active_wgrad_rows()
+        form = "transposed" if 0 < from_rows <= g.shape[0] else "direct"
+    if g.shape[1] > x.shape[1] and form == "transposed":
+        return onednn_mm_t(x.t().contiguous(), g.t()).t().contiguous()
+    return onednn_mm_t(g.t(), x.t())
+
+
 class OneDnnLinear(torch.autograd.Function):
     """y = x W^T + b with every matmul on oneDNN; the input gradient is summed over `tp_group` when
     `allreduce_dgrad` (a column-parallel layer's input is replicated over the TP ranks).
@@ -166,7 +180,7 @@ class OneDnnLinear(torch.autograd.Function):
             if ctx.allreduce_dgrad:
                 torch.distributed.all_reduce(grad_x, group=ctx.tp_group)
         if ctx.needs_input_grad[1]:
-            grad_w = onednn_mm_t(g.t(), x.reshape(-1, x.shape[-1]).t())
+            grad_w = weight_grad(g, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(dim=0)
         return grad_x, grad_w, grad_b, None, None

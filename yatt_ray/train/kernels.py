@@ -9,6 +9,11 @@ trainer does not assume; a worker measures, at its model's shapes, in its dtype 
     kernels taking turns (`linear_rates`; on one AVX2 EPYC a first, shorter measurement of one product picked
     oneDNN at 88 against 76 GFLOP/s, where a 25M-100M model's layers run at 115-170 on MKL, 80-140 on oneDNN);
   - threads: the intra-op thread count from 1 to the worker's CPUs that runs those layers fastest;
+  - weight gradient (oneDNN): dW = dy^T x of a layer wider out than in (N > K: the MLP's gate + up, q/k/v) as
+    oneDNN takes it, which first copies dy^T [N, T] into its layout, or as (x^T dy)^T, which copies only
+    x^T [K, T] (`cpu_shims.weight_grad`), and from how many rows T on: the copy costs most once dy^T outgrows
+    the caches (on one AVX-512 EPYC the gate + up gradient of a 25M model took 92 ms direct, 48 transposed at
+    4096 tokens, a tie at 1024);
   - attention: grouped-query attention through the fused kernel's own GQA support (`enable_gqa`) or with the
     key / value heads expanded first, by the time of a fused forward + backward (`attention.packed_attention`);
     and up to which packed-row length whole rows with their visibility mask beat the per-sample causal calls
@@ -33,19 +38,24 @@ import torch.nn.functional as F
 
 LINEAR = ("onednn", "mkl")
 GQA = ("native", "expand")
+WGRAD = ("direct", "transposed")  # forms of a wide layer's weight gradient (`cpu_shims.weight_grad`)
+WGRAD_ROWS = (1024, 4096)  # rows (tokens) at which they are compared for `wgrad_rows`, fewest first
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """What a CPU worker runs: `linear` in LINEAR, `threads`, `gqa` in GQA, `dense_rows` (packed rows up to
-    this length attend as whole masked rows; 0 = never); `rates`: the measured figures (GFLOP/s of each linear
-    kernel and thread count, milliseconds of each GQA form and of both attention forms per row length)."""
+    this length attend as whole masked rows; 0 = never), `wgrad_rows` (oneDNN computes the weight gradient of
+    layers wider out than in "transposed" from this many rows on; 0 = never); `rates`: the measured figures
+    (GFLOP/s of each linear kernel and thread count, milliseconds of each GQA form, of both attention forms per
+    row length and of both weight-gradient forms per row count)."""
 
     linear: str
     threads: int
     gqa: str
     dense_rows: int
     rates: dict
+    wgrad_rows: int = 0
 
     def describe(self) -> str:
         r = self.rates
@@ -55,8 +65,19 @@ class KernelChoice:
         rows = f"whole masked rows up to {self.dense_rows} tokens" if self.dense_rows else "no masked rows"
         return (
             f"kernels (measured on this machine): linear {self.linear} (GFLOP/s {linear}); {self.threads} "
-            f"thread(s) (GFLOP/s {threads}); attention GQA {self.gqa} ({gqa}), {rows}"
+            f"thread(s) (GFLOP/s {threads}); attention GQA {self.gqa} ({gqa}), {rows}{self._wgrad_text()}"
         )
+
+    def _wgrad_text(self) -> str:
+        r = self.rates
+        measured = [n for n in WGRAD_ROWS if f"wgrad_direct_{n}" in r]
+        if not measured:
+            return ""
+        at = self.wgrad_rows or measured[-1]
+        times = ", ".join(f"{k} {r[f'wgrad_{k}_{at}']:.1f} ms" for k in WGRAD)
+        if self.wgrad_rows:
+            return f"; wide layers' weight gradient transposed from {at} rows ({times} at {at})"
+        return f"; wide layers' weight gradient direct ({times} at {at} rows)"
 
 
 def cache_path() -> Path:
@@ -77,7 +98,7 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     measured now (3-6 s on 2 cores at 25M-100M shapes) and cached. The caller's thread count is restored."""
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
-    key = cache_key("v4", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
+    key = cache_key("v5", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
                     shape.num_kv_heads, shape.head_dim, onednn_linear_available(dtype))  # fmt: skip
     return cached_measurement(
         key, lambda: asdict(_measure(shape, max(1, max_threads), dtype)), lambda v: KernelChoice(**v)
@@ -143,6 +164,13 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
             rates[f"threads_{t}"] = linear_rates(shape, dtype, {linear: kernels[linear]}, rounds=2)[linear]
         threads = max(range(1, max_threads + 1), key=lambda t: rates[f"threads_{t}"])
         torch.set_num_threads(threads)
+        wgrad_rows = 0
+        for rows in WGRAD_ROWS if linear == "onednn" else ():
+            seconds = wgrad_seconds(shape, dtype, rows)
+            rates.update({f"wgrad_{form}_{rows}": 1e3 * s for form, s in seconds.items()})
+            if seconds["transposed"] < seconds["direct"]:  # and at more rows: the copy it saves only grows
+                wgrad_rows = rows
+                break
         gqa = "native"
         if shape.num_heads != shape.num_kv_heads:
             for form in GQA:
@@ -157,7 +185,7 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
             dense_rows = length
     finally:
         torch.set_num_threads(before)
-    return KernelChoice(linear, threads, gqa, dense_rows, rates)
+    return KernelChoice(linear, threads, gqa, dense_rows, rates, wgrad_rows)
 
 
 ROW_LENGTHS = (64, 128, 256, 512)  # packed-row lengths tried for `dense_rows`, shortest first
@@ -199,6 +227,30 @@ def linear_rates(
             one_pass(mm)
             best[name] = min(best[name], time.perf_counter() - start)
     return {name: flops / seconds / 1e9 for name, seconds in best.items()}
+
+
+def wgrad_seconds(shape, dtype: torch.dtype, tokens: int, rounds: int = 3) -> dict[str, float]:
+    """Seconds of the weight gradients of `shape`'s linear layers wider out than in (`linear_shapes` with
+    N > K) at `tokens` rows in each WGRAD form (`cpu_shims.weight_grad`), the forms taking turns, each keeping
+    its fastest pass."""
+    from yatt_ray.train.cpu_shims import weight_grad
+
+    pairs = [
+        (torch.randn(tokens, n, dtype=dtype), torch.randn(tokens, k, dtype=dtype))
+        for k, n in linear_shapes(shape)
+        if n > k
+    ]
+    best = dict.fromkeys(WGRAD, float("inf"))
+    for form in WGRAD:  # warm-up: oneDNN builds its primitives
+        for g, x in pairs:
+            weight_grad(g, x, form)
+    for _ in range(rounds):
+        for form in WGRAD:
+            start = time.perf_counter()
+            for g, x in pairs:
+                weight_grad(g, x, form)
+            best[form] = min(best[form], time.perf_counter() - start)
+    return best
 
 
 def _attention_seconds(shape, dtype: torch.dtype, form: str, length: int = 384, rows: int = 4) -> float:
@@ -283,6 +335,11 @@ def active_linear() -> str:
 
 def active_gqa() -> str:
     return "native" if _ACTIVE is None else _ACTIVE.gqa
+
+
+def active_wgrad_rows() -> int:
+    """Wide layers' weight gradients are computed transposed from this many rows on (default 0: never)."""
+    return 0 if _ACTIVE is None else _ACTIVE.wgrad_rows
 
 
 def active_dense_rows() -> int:
