@@ -40,6 +40,7 @@ LINEAR = ("onednn", "mkl")
 GQA = ("native", "expand")
 WGRAD = ("direct", "transposed")  # forms of a wide layer's weight gradient (`cpu_shims.weight_grad`)
 WGRAD_ROWS = (1024, 4096)  # rows (tokens) at which they are compared for `wgrad_rows`, fewest first
+WGRAD_WIN = 0.95  # "transposed" is taken at a row count where it needs under this fraction of "direct"'s time
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,8 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
         for rows in WGRAD_ROWS if linear == "onednn" else ():
             seconds = wgrad_seconds(shape, dtype, rows)
             rates.update({f"wgrad_{form}_{rows}": 1e3 * s for form, s in seconds.items()})
-            if seconds["transposed"] < seconds["direct"]:  # and at more rows: the copy it saves only grows
+            # a near tie (noise decides it) looks at more rows; a win holds beyond: the saved copy only grows
+            if seconds["transposed"] < WGRAD_WIN * seconds["direct"]:
                 wgrad_rows = rows
                 break
         gqa = "native"
