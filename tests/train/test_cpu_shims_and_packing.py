@@ -97,16 +97,16 @@ def test_any_grouping_gives_the_unpacked_rows_outputs(single_process_world):
 
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear op")
-@pytest.mark.parametrize("wgrad_rows", [0, 1])  # direct; transposed from 1 row on
+@pytest.mark.parametrize("wgrad", [(), ((1, "transposed"),), ((1, "mkl"),)])  # direct; each other form
 @pytest.mark.parametrize("out_features", [24, 12])  # wider out than in (N > K: the form matters); narrower
-def test_onednn_linear_matches_torch_in_value_and_gradients(wgrad_rows, out_features):
+def test_onednn_linear_matches_torch_in_value_and_gradients(wgrad, out_features):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 16, generator=gen, requires_grad=True)
     w = torch.randn(out_features, 16, generator=gen, requires_grad=True)
     b = torch.randn(out_features, generator=gen, requires_grad=True)
     up = torch.randn(3, 5, out_features, generator=gen)
     try:
-        apply_kernels(KernelChoice("onednn", torch.get_num_threads(), "native", 0, {}, wgrad_rows))
+        apply_kernels(KernelChoice("onednn", torch.get_num_threads(), "native", 0, {}, wgrad))
         ours = OneDnnLinear.apply(x, w, b, False, None)
         grads = torch.autograd.grad((ours * up).sum(), (x, w, b))
     finally:
@@ -121,8 +121,9 @@ def test_onednn_linear_matches_torch_in_value_and_gradients(wgrad_rows, out_feat
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear op")
 def test_weight_grad_forms_agree_and_the_active_one_runs(monkeypatch):
-    """Both forms of dW = g^T x give the same [N, K] result; the transposed one hands oneDNN x^T (not g^T) as
-    its first operand, only for a layer wider out than in, and by default from the measured row count on."""
+    """Every form of dW = g^T x gives the same [N, K] result; the transposed one hands oneDNN x^T (not g^T) as
+    its first operand, only for a layer wider out than in; "mkl" calls no oneDNN product; by default the
+    form measured at the nearest row count runs."""
     from yatt_ray.train import cpu_shims
 
     gen = torch.Generator().manual_seed(1)
@@ -136,14 +137,16 @@ def test_weight_grad_forms_agree_and_the_active_one_runs(monkeypatch):
             firsts.clear()
             got = weight_grad(g, x, form)
             assert got.shape == (n, k) and torch.allclose(got, want, atol=1e-4), (form, n, k)
-            assert firsts == [(k, 40) if form == "transposed" and n > k else (n, 40)], (form, n, k, firsts)
+            first = [] if form == "mkl" else [(k, 40) if form == "transposed" and n > k else (n, 40)]
+            assert firsts == first, (form, n, k, firsts)
     g, x = torch.randn(40, 96, generator=gen), torch.randn(40, 32, generator=gen)
-    try:  # with no form given, the measured row count decides
-        for from_rows, first in ((0, (96, 40)), (41, (96, 40)), (40, (32, 40)), (8, (32, 40))):
-            apply_kernels(KernelChoice("onednn", 1, "native", 0, {}, from_rows))
+    measured = ((10, "transposed"), (1000, "mkl"))
+    try:  # with no form given, the form measured nearest to the row count decides
+        for wgrad, first in (((), [(96, 40)]), (measured, [(32, 40)]), (measured[1:], [])):
+            apply_kernels(KernelChoice("onednn", 1, "native", 0, {}, wgrad))
             firsts.clear()
             weight_grad(g, x)
-            assert firsts == [first], (from_rows, firsts)
+            assert firsts == first, (wgrad, firsts)
     finally:
         apply_kernels(None)
 

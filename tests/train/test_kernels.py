@@ -32,17 +32,15 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     assert choice.dense_rows in (0, *K.ROW_LENGTHS)
     if (
         choice.linear == "onednn"
-    ):  # wide layers' weight gradient transposed from the first row count it won at
-        for rows in K.WGRAD_ROWS:
-            won = rates[f"wgrad_transposed_{rows}"] < K.WGRAD_WIN * rates[f"wgrad_direct_{rows}"]
-            assert won == (rows == choice.wgrad_rows), (rows, choice.wgrad_rows, rates)
-            if won:
-                assert f"transposed from {rows} rows" in choice.describe()
-                break
-        else:
-            assert choice.wgrad_rows == 0 and "weight gradient direct" in choice.describe()
+    ):  # each row count takes its fastest form where it beats "direct" by WGRAD_WIN
+        assert [rows for rows, _ in choice.wgrad] == list(K.WGRAD_ROWS)
+        for rows, form in choice.wgrad:
+            times = {k: rates[f"wgrad_{k}_{rows}"] for k in K.WGRAD}
+            best = min(times, key=times.__getitem__)
+            assert form == (best if times[best] < K.WGRAD_WIN * times["direct"] else "direct"), (rows, times)
+            assert f"{form} at {rows} rows" in choice.describe()
     else:
-        assert choice.wgrad_rows == 0 and not any(k.startswith("wgrad_") for k in rates)
+        assert choice.wgrad == () and not any(k.startswith("wgrad_") for k in rates)
     for length in K.ROW_LENGTHS:  # masked rows up to the first length where they stop being faster
         if length <= choice.dense_rows:
             assert rates[f"rows_{length}"] < rates[f"sequences_{length}"]
@@ -128,3 +126,13 @@ def test_linear_rates_rank_a_kernel_that_does_twice_the_work_below_the_real_one(
 
     rates = K.linear_rates(SHAPE, torch.float32, {"real": real, "twice": twice}, tokens=256, rounds=3)
     assert rates["twice"] < 0.8 * rates["real"]
+
+
+def test_a_row_count_takes_the_weight_gradient_form_measured_nearest_to_it():
+    choice = K.KernelChoice("onednn", 2, "native", 0, {}, ((1024, "mkl"), (4096, "transposed")))
+    forms = {rows: choice.wgrad_form(rows) for rows in (1, 672, 1024, 2040, 2060, 4096, 20000)}
+    assert forms == {1: "mkl", 672: "mkl", 1024: "mkl", 2040: "mkl", 2060: "transposed", 4096: "transposed",
+                     20000: "transposed"}  # fmt: skip
+    assert K.KernelChoice("onednn", 2, "native", 0, {}).wgrad_form(4096) == "direct"  # none measured
+    cached = json.loads(json.dumps(dataclasses.asdict(choice)))  # the cache's round trip: pairs become lists
+    assert K.KernelChoice(**cached) == choice and K.KernelChoice(**cached).wgrad_form(5000) == "transposed"

@@ -6,8 +6,8 @@ idempotent and does nothing at all when CUDA is available, so GPU runs see an un
 
 Two changes are for speed, not for function. glibc's malloc keeps the memory freed tensors give back
 (`host_memory.keep_freed_memory`: no fresh, zero-faulted pages for every activation). And Megatron's
-tensor-parallel linear layers run their three matmuls
-(forward, input gradient, weight gradient) through oneDNN instead of `torch.matmul`. torch's CPU wheel does
+tensor-parallel linear layers run their matmuls (forward, input gradient; the weight gradient in the form
+measured fastest, `weight_grad`) through oneDNN instead of `torch.matmul`. torch's CPU wheel does
 fp32 GEMM with MKL, which on AMD CPUs picks a slow code path: measured on this project's 2-core AMD EPYC
 (AVX-512), `torch.matmul` [2560, 512] x [512, 2048] reached 190 GFLOP/s and oneDNN 470-510 GFLOP/s, fp32 both
 (largest difference 1.4e-4 on outputs of size ~20: accumulation order); on other CPUs MKL can be the faster,
@@ -33,7 +33,7 @@ import functools
 import torch
 
 from yatt_ray.host_memory import keep_freed_memory
-from yatt_ray.train.kernels import active_linear, active_wgrad_rows
+from yatt_ray.train.kernels import active_linear, active_wgrad_form
 
 _APPLIED = False
 
@@ -140,21 +140,21 @@ def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor, form: str | None = None) -> torch.Tensor:
-    """dW = g^T x [N, K] for g [T, N], x [T, K], with oneDNN in `form` (`kernels.WGRAD`; default: "transposed"
-    from the measured `kernels.active_wgrad_rows()` rows on). oneDNN reads its first operand in its own layout,
-    so "direct" (g^T, x^T) copies g^T [N, T] first; for N > K "transposed" computes (x^T g)^T instead: it
-    copies only x^T [K, T], reads g^T as the weight operand (reordered inside the product) and returns the
-    [K, N] result laid out as [N, K]."""
-    if form is None:
-        from_rows = active_wgrad_rows()
-        form = "transposed" if 0 < from_rows <= g.shape[0] else "direct"
+    """dW = g^T x [N, K] for g [T, N], x [T, K] in `form` (`kernels.WGRAD`; default: the one measured for T
+    rows, `kernels.active_wgrad_form`). oneDNN reads its first operand in its own layout, so "direct" (g^T,
+    x^T) copies g^T [N, T] first; for N > K "transposed" computes (x^T g)^T instead: it copies only x^T [K, T],
+    reads g^T as the weight operand (reordered inside the product) and returns the [K, N] result laid out as
+    [N, K]; "mkl" is `torch.mm`, which reads both transposed operands where they lie."""
+    form = active_wgrad_form(g.shape[0]) if form is None else form
+    if form == "mkl":
+        return torch.mm(g.t(), x)
     if g.shape[1] > x.shape[1] and form == "transposed":
         return onednn_mm_t(x.t().contiguous(), g.t()).t().contiguous()
     return onednn_mm_t(g.t(), x.t())
 
 
 class OneDnnLinear(torch.autograd.Function):
-    """y = x W^T + b with every matmul on oneDNN; the input gradient is summed over `tp_group` when
+    """y = x W^T + b on oneDNN (the weight gradient in its measured form, `weight_grad`); the input gradient is summed over `tp_group` when
     `allreduce_dgrad` (a column-parallel layer's input is replicated over the TP ranks).
 
     x [..., K], W [N, K] (this rank's shard), b [N] or None -> y [..., N]. Backward: dx = dy W, dW = dy^T x,

@@ -9,11 +9,15 @@ trainer does not assume; a worker measures, at its model's shapes, in its dtype 
     kernels taking turns (`linear_rates`; on one AVX2 EPYC a first, shorter measurement of one product picked
     oneDNN at 88 against 76 GFLOP/s, where a 25M-100M model's layers run at 115-170 on MKL, 80-140 on oneDNN);
   - threads: the intra-op thread count from 1 to the worker's CPUs that runs those layers fastest;
-  - weight gradient (oneDNN): dW = dy^T x of a layer wider out than in (N > K: the MLP's gate + up, q/k/v) as
-    oneDNN takes it, which first copies dy^T [N, T] into its layout, or as (x^T dy)^T, which copies only
-    x^T [K, T] (`cpu_shims.weight_grad`), and from how many rows T on: the copy costs most once dy^T outgrows
-    the caches (on one AVX-512 EPYC the gate + up gradient of a 25M model took 92 ms direct, 48 transposed at
-    4096 tokens, a tie at 1024);
+  - weight gradient (when the layers run on oneDNN): dW = dy^T x [N, K] for T rows, in one of three forms
+    (`cpu_shims.weight_grad`): as oneDNN takes it ("direct"), which first copies dy^T [N, T] into its layout
+    (a single-threaded transpose); for a layer wider out than in (N > K: the MLP's gate + up, q/k/v) as
+    (x^T dy)^T ("transposed"), which copies only x^T [K, T]; or with MKL ("mkl"), which reads both operands
+    transposed where they lie, no copy, at MKL's GEMM rate. Timed over the model's four layers at a short and
+    a long row count (`WGRAD_ROWS`); a row count takes the form measured at the nearest of them. On one
+    AVX-512 EPYC the gate + up gradient of a 25M model took 92 ms direct, 48 transposed at 4096 tokens (MKL
+    ran at half oneDNN's rate there); on another, where MKL's GEMMs ran at 0.93 of oneDNN's, the copy-free MKL
+    form took 16-23 ms against 17-25 direct at 640-1024 rows;
   - attention: grouped-query attention through the fused kernel's own GQA support (`enable_gqa`) or with the
     key / value heads expanded first, by the time of a fused forward + backward (`attention.packed_attention`);
     and up to which packed-row length whole rows with their visibility mask beat the per-sample causal calls
@@ -28,6 +32,7 @@ and a worker on another machine measures its own. On CUDA nothing is measured (c
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,25 +43,35 @@ import torch.nn.functional as F
 
 LINEAR = ("onednn", "mkl")
 GQA = ("native", "expand")
-WGRAD = ("direct", "transposed")  # forms of a wide layer's weight gradient (`cpu_shims.weight_grad`)
-WGRAD_ROWS = (1024, 4096)  # rows (tokens) at which they are compared for `wgrad_rows`, fewest first
-WGRAD_WIN = 0.95  # "transposed" is taken at a row count where it needs under this fraction of "direct"'s time
+WGRAD = ("direct", "transposed", "mkl")  # forms of a layer's weight gradient (`cpu_shims.weight_grad`)
+WGRAD_ROWS = (1024, 4096)  # rows (tokens) at which they are compared for `KernelChoice.wgrad`, fewest first
+WGRAD_WIN = 0.95  # another form is taken at a row count where it needs under this fraction of "direct"'s time
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """What a CPU worker runs: `linear` in LINEAR, `threads`, `gqa` in GQA, `dense_rows` (packed rows up to
-    this length attend as whole masked rows; 0 = never), `wgrad_rows` (oneDNN computes the weight gradient of
-    layers wider out than in "transposed" from this many rows on; 0 = never); `rates`: the measured figures
-    (GFLOP/s of each linear kernel and thread count, milliseconds of each GQA form, of both attention forms per
-    row length and of both weight-gradient forms per row count)."""
+    this length attend as whole masked rows; 0 = never), `wgrad` ((rows, form) pairs, rows ascending: the
+    weight-gradient form in WGRAD measured best at that row count, `wgrad_form`; empty = "direct"); `rates`:
+    the measured figures (GFLOP/s of each linear kernel and thread count, milliseconds of each GQA form, of
+    both attention forms per row length and of each weight-gradient form per row count)."""
 
     linear: str
     threads: int
     gqa: str
     dense_rows: int
     rates: dict
-    wgrad_rows: int = 0
+    wgrad: tuple = ()
+
+    def __post_init__(self):  # pairs read back from the JSON cache arrive as lists
+        object.__setattr__(self, "wgrad", tuple((int(n), str(f)) for n, f in self.wgrad))
+
+    def wgrad_form(self, rows: int) -> str:
+        """The weight-gradient form for `rows` rows: the one measured at the nearest (log scale) of the
+        measured row counts; "direct" when none was measured."""
+        if not self.wgrad:
+            return "direct"
+        return min(self.wgrad, key=lambda pair: abs(math.log(max(rows, 1) / pair[0])))[1]
 
     def describe(self) -> str:
         r = self.rates
@@ -71,14 +86,13 @@ class KernelChoice:
 
     def _wgrad_text(self) -> str:
         r = self.rates
-        measured = [n for n in WGRAD_ROWS if f"wgrad_direct_{n}" in r]
-        if not measured:
-            return ""
-        at = self.wgrad_rows or measured[-1]
-        times = ", ".join(f"{k} {r[f'wgrad_{k}_{at}']:.1f} ms" for k in WGRAD)
-        if self.wgrad_rows:
-            return f"; wide layers' weight gradient transposed from {at} rows ({times} at {at})"
-        return f"; wide layers' weight gradient direct ({times} at {at} rows)"
+        parts = [
+            f"{form} at {rows} rows ("
+            + ", ".join(f"{k} {r[f'wgrad_{k}_{rows}']:.1f}" for k in WGRAD if f"wgrad_{k}_{rows}" in r)
+            + " ms)"
+            for rows, form in self.wgrad
+        ]
+        return f"; weight gradient {', '.join(parts)}" if parts else ""
 
 
 def cache_path() -> Path:
@@ -99,7 +113,7 @@ def choose_kernels(shape, max_threads: int, dtype: torch.dtype = torch.float32) 
     measured now (3-6 s on 2 cores at 25M-100M shapes) and cached. The caller's thread count is restored."""
     from yatt_ray.train.cpu_shims import onednn_linear_available
 
-    key = cache_key("v5", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
+    key = cache_key("v6", dtype, max_threads, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads,
                     shape.num_kv_heads, shape.head_dim, onednn_linear_available(dtype))  # fmt: skip
     return cached_measurement(
         key, lambda: asdict(_measure(shape, max(1, max_threads), dtype)), lambda v: KernelChoice(**v)
@@ -165,14 +179,12 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
             rates[f"threads_{t}"] = linear_rates(shape, dtype, {linear: kernels[linear]}, rounds=2)[linear]
         threads = max(range(1, max_threads + 1), key=lambda t: rates[f"threads_{t}"])
         torch.set_num_threads(threads)
-        wgrad_rows = 0
+        wgrad = []
         for rows in WGRAD_ROWS if linear == "onednn" else ():
             seconds = wgrad_seconds(shape, dtype, rows)
             rates.update({f"wgrad_{form}_{rows}": 1e3 * s for form, s in seconds.items()})
-            # a near tie (noise decides it) looks at more rows; a win holds beyond: the saved copy only grows
-            if seconds["transposed"] < WGRAD_WIN * seconds["direct"]:
-                wgrad_rows = rows
-                break
+            best = min(WGRAD, key=lambda form: seconds[form])
+            wgrad.append((rows, best if seconds[best] < WGRAD_WIN * seconds["direct"] else "direct"))
         gqa = "native"
         if shape.num_heads != shape.num_kv_heads:
             for form in GQA:
@@ -187,7 +199,7 @@ def _measure(shape, max_threads: int, dtype: torch.dtype) -> KernelChoice:
             dense_rows = length
     finally:
         torch.set_num_threads(before)
-    return KernelChoice(linear, threads, gqa, dense_rows, rates, wgrad_rows)
+    return KernelChoice(linear, threads, gqa, dense_rows, rates, tuple(wgrad))
 
 
 ROW_LENGTHS = (64, 128, 256, 512)  # packed-row lengths tried for `dense_rows`, shortest first
@@ -232,15 +244,13 @@ def linear_rates(
 
 
 def wgrad_seconds(shape, dtype: torch.dtype, tokens: int, rounds: int = 3) -> dict[str, float]:
-    """Seconds of the weight gradients of `shape`'s linear layers wider out than in (`linear_shapes` with
-    N > K) at `tokens` rows in each WGRAD form (`cpu_shims.weight_grad`), the forms taking turns, each keeping
-    its fastest pass."""
+    """Seconds of the weight gradients of `shape`'s four linear layers (`linear_shapes`) at `tokens` rows in
+    each WGRAD form (`cpu_shims.weight_grad`), the forms taking turns, each keeping its fastest pass."""
     from yatt_ray.train.cpu_shims import weight_grad
 
     pairs = [
         (torch.randn(tokens, n, dtype=dtype), torch.randn(tokens, k, dtype=dtype))
         for k, n in linear_shapes(shape)
-        if n > k
     ]
     best = dict.fromkeys(WGRAD, float("inf"))
     for form in WGRAD:  # warm-up: oneDNN builds its primitives
@@ -339,9 +349,9 @@ def active_gqa() -> str:
     return "native" if _ACTIVE is None else _ACTIVE.gqa
 
 
-def active_wgrad_rows() -> int:
-    """Wide layers' weight gradients are computed transposed from this many rows on (default 0: never)."""
-    return 0 if _ACTIVE is None else _ACTIVE.wgrad_rows
+def active_wgrad_form(rows: int) -> str:
+    """The weight-gradient form (WGRAD) for `rows` rows (default "direct", without a measurement)."""
+    return "direct" if _ACTIVE is None else _ACTIVE.wgrad_form(rows)
 
 
 def active_dense_rows() -> int:
