@@ -136,3 +136,5 @@ def test_a_row_count_takes_the_weight_gradient_form_measured_nearest_to_it():
     assert K.KernelChoice("onednn", 2, "native", 0, {}).wgrad_form(4096) == "direct"  # none measured
     cached = json.loads(json.dumps(dataclasses.asdict(choice)))  # the cache's round trip: pairs become lists
     assert K.KernelChoice(**cached) == choice and K.KernelChoice(**cached).wgrad_form(5000) == "transposed"
+    with pytest.raises(ValueError, match="not among"):  # a damaged cache entry is measured again, not run
+        K.KernelChoice(**{**cached, "wgrad": [[1024, "fast"]]})

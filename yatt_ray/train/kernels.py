@@ -65,6 +65,9 @@ class KernelChoice:
 
     def __post_init__(self):  # pairs read back from the JSON cache arrive as lists
         object.__setattr__(self, "wgrad", tuple((int(n), str(f)) for n, f in self.wgrad))
+        unknown = [f for _, f in self.wgrad if f not in WGRAD]
+        if unknown:  # a damaged or foreign cache entry: `cached_measurement` measures again
+            raise ValueError(f"weight-gradient forms {unknown} are not among {WGRAD}")
 
     def wgrad_form(self, rows: int) -> str:
         """The weight-gradient form for `rows` rows: the one measured at the nearest (log scale) of the
