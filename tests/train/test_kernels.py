@@ -30,9 +30,8 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     assert rates[f"gqa_{choice.gqa}"] == min(rates["gqa_native"], rates["gqa_expand"])
     assert "linear " + choice.linear in choice.describe() and "GQA " + choice.gqa in choice.describe()
     assert choice.dense_rows in (0, *K.ROW_LENGTHS)
-    if (
-        choice.linear == "onednn"
-    ):  # each row count takes its fastest form where it beats "direct" by WGRAD_WIN
+    # each row count takes its fastest weight-gradient form where that beats "direct" by WGRAD_WIN
+    if choice.linear == "onednn":
         assert [rows for rows, _ in choice.wgrad] == list(K.WGRAD_ROWS)
         for rows, form in choice.wgrad:
             times = {k: rates[f"wgrad_{k}_{rows}"] for k in K.WGRAD}

@@ -154,8 +154,9 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, form: str | None = None) -> to
 
 
 class OneDnnLinear(torch.autograd.Function):
-    """y = x W^T + b on oneDNN (the weight gradient in its measured form, `weight_grad`); the input gradient is summed over `tp_group` when
-    `allreduce_dgrad` (a column-parallel layer's input is replicated over the TP ranks).
+    """y = x W^T + b on oneDNN (the weight gradient in its measured form, `weight_grad`); the input gradient
+    is summed over `tp_group` when `allreduce_dgrad` (a column-parallel layer's input is replicated over the
+    TP ranks).
 
     x [..., K], W [N, K] (this rank's shard), b [N] or None -> y [..., N]. Backward: dx = dy W, dW = dy^T x,
     db = sum(dy), over the flattened leading dimensions.

@@ -16,7 +16,7 @@ trainer does not assume; a worker measures, at its model's shapes, in its dtype 
     transposed where they lie, no copy, at MKL's GEMM rate. Timed over the model's four layers at a short and
     a long row count (`WGRAD_ROWS`); a row count takes the form measured at the nearest of them. On one
     AVX-512 EPYC the gate + up gradient of a 25M model took 92 ms direct, 48 transposed at 4096 tokens (MKL
-    ran at half oneDNN's rate there); on another, where MKL's GEMMs ran at 0.93 of oneDNN's, the copy-free MKL
+    ran at half oneDNN's rate there); on another, where MKL's GEMMs ran at 0.92 of oneDNN's, the copy-free MKL
     form took 16-23 ms against 17-25 direct at 640-1024 rows;
   - attention: grouped-query attention through the fused kernel's own GQA support (`enable_gqa`) or with the
     key / value heads expanded first, by the time of a fused forward + backward (`attention.packed_attention`);
@@ -235,15 +235,23 @@ def linear_rates(
             mm(g, w.t())
             mm(g.t(), x.t())
 
-    best = dict.fromkeys(kernels, float("inf"))
-    for mm in kernels.values():
-        one_pass(mm)  # warm-up: oneDNN builds its primitives, MKL its buffers
-    for _ in range(rounds):
-        for name, mm in kernels.items():
-            start = time.perf_counter()
-            one_pass(mm)
-            best[name] = min(best[name], time.perf_counter() - start)
+    best = fastest_passes({name: lambda mm=mm: one_pass(mm) for name, mm in kernels.items()}, rounds)
     return {name: flops / seconds / 1e9 for name, seconds in best.items()}
+
+
+def fastest_passes(passes: dict, rounds: int) -> dict[str, float]:
+    """Seconds of each candidate's fastest pass (name -> a callable running one pass): one untimed warm-up
+    pass each (oneDNN builds its primitives, MKL its buffers), then `rounds` rounds in which the candidates
+    take turns, so that a burst of load from another process slows a pass of each, not one candidate's figure."""
+    for run in passes.values():
+        run()
+    best = dict.fromkeys(passes, float("inf"))
+    for _ in range(rounds):
+        for name, run in passes.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def wgrad_seconds(shape, dtype: torch.dtype, tokens: int, rounds: int = 3) -> dict[str, float]:
@@ -255,17 +263,12 @@ def wgrad_seconds(shape, dtype: torch.dtype, tokens: int, rounds: int = 3) -> di
         (torch.randn(tokens, n, dtype=dtype), torch.randn(tokens, k, dtype=dtype))
         for k, n in linear_shapes(shape)
     ]
-    best = dict.fromkeys(WGRAD, float("inf"))
-    for form in WGRAD:  # warm-up: oneDNN builds its primitives
+
+    def one_pass(form: str) -> None:
         for g, x in pairs:
             weight_grad(g, x, form)
-    for _ in range(rounds):
-        for form in WGRAD:
-            start = time.perf_counter()
-            for g, x in pairs:
-                weight_grad(g, x, form)
-            best[form] = min(best[form], time.perf_counter() - start)
-    return best
+
+    return fastest_passes({form: lambda form=form: one_pass(form) for form in WGRAD}, rounds)
 
 
 def _attention_seconds(shape, dtype: torch.dtype, form: str, length: int = 384, rows: int = 4) -> float:
