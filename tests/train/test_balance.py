@@ -109,12 +109,13 @@ def _group_batch():
 
 def test_unit_costs_tokens_by_hand():
     b = _group_batch()
-    # group 0: body c-1 = 1, own 4 and 2 -> 7; group 1: body 2, own 3 and 1 -> 6
-    assert unit_costs(b.attention_mask, 2, "tokens", prompt_width=3).tolist() == [7.0, 6.0]
+    # group 0: body c = 2 (both rows go past the prompt), own 3 and 1 -> 6; group 1: a row ends with the
+    # prompt, so body c - 1 = 2, own 3 and 1 -> 6
+    assert unit_costs(b.attention_mask, 2, "tokens", prompt_width=3).tolist() == [6.0, 6.0]
     assert unit_costs(b.attention_mask, 2, "tokens").tolist() == [8.0, 8.0]  # nothing shared: 5+3, 5+3
     assert unit_costs(b.attention_mask, 1, "tokens", prompt_width=3).tolist() == [5.0, 3.0, 5.0, 3.0]
     assert unit_costs(b.attention_mask[:3], 2, "tokens", prompt_width=3).tolist() == [
-        7.0,
+        6.0,
         5.0,
     ]  # partial group
 
@@ -123,11 +124,11 @@ def test_unit_costs_flops_by_hand():
     b = _group_batch()
     model = ModelFlops(matmul_params=10, layers=2, attn_width=4)
     # P = sum_j (b + o_j)(b + o_j + 1) / 2 (the body's queries computed with each sample)
-    # group 0: b = 1, o = 4, 2: P = 5*6/2 + 3*4/2 = 21; F = 6*10*7 + 12*2*4*21 = 2436
-    # group 1: b = 2, o = 3, 1: P = 5*6/2 + 3*4/2 = 21; F = 6*10*6 + 12*2*4*21 = 2376
-    assert unit_costs(b.attention_mask, 2, "flops", model, prompt_width=3).tolist() == [2436.0, 2376.0]
+    # group 0: b = 2, o = 3, 1: P = 5*6/2 + 3*4/2 = 21; F = 6*10*6 + 12*2*4*21 = 2376
+    # group 1: b = 2, o = 3, 1 (its second row ends with the prompt): the same
+    assert unit_costs(b.attention_mask, 2, "flops", model, prompt_width=3).tolist() == [2376.0, 2376.0]
     perf = PerfModel(model, None, "test")
-    assert unit_costs(b.attention_mask, 2, "flops", perf, prompt_width=3).tolist() == [2436.0, 2376.0]
+    assert unit_costs(b.attention_mask, 2, "flops", perf, prompt_width=3).tolist() == [2376.0, 2376.0]
     # unshared: rows of 5 and 3 tokens: P = 15 + 6 = 21, T = 8 -> 480 + 2016
     assert unit_costs(b.attention_mask, 2, "flops", model).tolist() == [2496.0, 2496.0]
     with pytest.raises(ValueError, match="valid modes: tokens, flops"):

@@ -37,22 +37,44 @@ def test_shared_prefix_pack_by_hand():
     ids = torch.tensor([[0, 5, 6, 7, 8, 9], [0, 5, 6, 7, 4, 0], [6, 7, 5, 5, 0, 0]])
     mask = (ids != 0).long()
     packed = pack_shared_prefix(ids, mask, group_size=2)
-    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 7, 4], [6, 7, 5, 5, 0, 0, 0]]
-    assert packed.position_ids.tolist()[0] == [0, 1, 2, 3, 4, 2, 3]  # the copy of 7 sits at 7's position
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4], [6, 7, 5, 5, 0, 0]]  # the prompt once, no copy
+    assert packed.position_ids.tolist()[0] == [0, 1, 2, 3, 4, 3]  # sample 2's 4 sits where it sits unpacked
     assert packed.segment.tolist() == [
-        [0, 0, 1, 1, 1, 2, 2],
-        [0, 0, 0, 1, -1, -1, -1],
-    ]  # a lone row: body + 1
-    assert packed.targets.tolist() == [[6, 7, 8, 9, 0, 4, 0], [7, 5, 5, 0, 0, 0, 0]]
-    assert packed.tokens == 11  # instead of 3 x 6 padded
+        [0, 0, 0, 1, 1, 2],
+        [0, 0, 0, 1, -1, -1],
+    ]  # a lone row: body + 1 (its last token is a segment of its own)
+    assert packed.targets.tolist() == [[6, 7, 8, 9, 0, 0], [7, 5, 5, 0, 0, 0]]
+    # the body's last token (7) also predicts sample 2's first token: an extra prediction of that place
+    assert packed.extra_at.tolist() == [2] and packed.extra_targets.tolist() == [4]
+    assert packed.tokens == 10  # instead of 3 x 6 padded
     m = packed.attention_mask()[0, 0]
     T, F = True, False
-    assert m[5].tolist() == [F, F, T, T, T, F, T]  # sample 2 sees the body and itself, not sample 1
-    assert m[3].tolist() == [F, F, F, F, T, T, T]
-    assert packed.attention_mask()[1, 0, 2].tolist() == [F, F, F, T, T, T, T]  # padding keys masked
-    values = torch.arange(14, dtype=torch.float32).reshape(2, 7) + 1  # value = 1 + flat position
-    out = packed.unpack(values)  # [B, T-1]: column t predicts token t+1
-    assert out.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 6, 0], [8, 9, 10, 0, 0]]
+    assert m[5].tolist() == [F, F, F, T, T, F]  # sample 2 sees the body and itself, not sample 1
+    assert m[3].tolist() == [F, F, F, F, T, T]
+    assert packed.attention_mask()[1, 0, 2].tolist() == [F, F, F, T, T, T]  # padding keys masked
+    values = torch.arange(12, dtype=torch.float32).reshape(2, 6) + 1  # value = 1 + flat position
+    # column t predicts token t+1; a value of the place itself (entropy) is shared by its extra prediction
+    assert packed.unpack(values).tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [7, 8, 9, 0, 0]]
+    # a value per prediction (a log-prob of its target) comes with its own value for the extra one
+    assert packed.unpack(values, torch.tensor([100.0])).tolist()[1] == [0, 1, 2, 100, 0]
+    assert packed.places(packed.source[1, 1:4]).tolist() == [0, 1, 2]  # the extra's place: 7's, index 2
+    flat = packed.flat(4)  # the extras follow the flat row: index into [T', then E, then the zero]
+    assert flat.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 6, 7, 5, 5, 0, 0]]
+    assert flat.extra_at.tolist() == [2] and flat.source[1].tolist() == [13, 0, 1, 12, 13]
+    assert flat.unpack(torch.arange(12.0) + 1, torch.tensor([100.0])).tolist() == [
+        [0, 1, 2, 3, 4], [0, 1, 2, 100, 0], [7, 8, 9, 0, 0],
+    ]  # fmt: skip
+
+
+def test_identical_samples_keep_a_segment_each():
+    """Samples that agree to their end (a common prefix as long as a row) keep one own token each (the body
+    stops a token short), so that no segment is empty; nothing is predicted twice."""
+    ids = torch.tensor([[5, 6, 7, 2], [5, 6, 7, 2]])
+    packed = pack_shared_prefix(ids, torch.ones_like(ids), group_size=2)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 2, 2]] and packed.segment.tolist() == [[0, 0, 0, 1, 2]]
+    assert len(packed.extra_at) == 0
+    values = torch.arange(5.0)[None] + 1
+    assert packed.unpack(values).tolist() == [[1, 2, 3], [1, 2, 3]]
 
 
 def test_any_grouping_gives_the_unpacked_rows_outputs(single_process_world):
@@ -78,22 +100,30 @@ def test_any_grouping_gives_the_unpacked_rows_outputs(single_process_world):
         scores = (h @ h.transpose(1, 2)).masked_fill(mask[:, 0], float("-inf"))
         return torch.softmax(scores, -1) @ h
 
-    def alone(i):
+    def alone(i):  # (per-position value [n], log-prob of each next token [n - 1], real columns [n])
         real = batch.attention_mask[i].bool()
         ids = batch.input_ids[i][real][None]
         n = ids.shape[1]
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
-        return model(ids, torch.arange(n)[None], causal)[0, :, 0], torch.nonzero(real).flatten()
+        h = model(ids, torch.arange(n)[None], causal)[0]
+        logp = torch.log_softmax(h @ emb.T, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        return h[:, 0], logp, torch.nonzero(real).flatten()
 
     for group_size, cap in ((1, None), (3, None), (3, 6), (5, None)):
         packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, group_size, max_len=cap)
-        out = packed.unpack(model(packed.input_ids, packed.position_ids, packed.attention_mask())[..., 0])
+        h = model(packed.input_ids, packed.position_ids, packed.attention_mask())
+        out = packed.unpack(h[..., 0])
+        scores = torch.log_softmax(h @ emb.T, -1)  # [G, L, V]: each place's next-token log-probs
+        extra = scores.reshape(-1, scores.shape[-1])[packed.extra_at, packed.extra_targets]
+        logp = packed.unpack(scores.gather(-1, packed.targets[..., None])[..., 0], extra)
         for i in range(batch.size):
-            expect, cols = alone(i)
+            expect, expect_logp, cols = alone(i)
             assert torch.allclose(out[i, cols[1:] - 1], expect[:-1], atol=1e-5), (group_size, cap, i)
+            assert torch.allclose(logp[i, cols[1:] - 1], expect_logp, atol=1e-5), (group_size, cap, i)
             others = torch.ones(out.shape[1], dtype=torch.bool)
             others[cols[1:] - 1] = False
-            assert (out[i, others] == 0).all()
+            assert (out[i, others] == 0).all() and (logp[i, others] == 0).all()
+    assert len(pack_shared_prefix(batch.input_ids, batch.attention_mask, 3).extra_at) > 0  # the case is met
 
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear op")

@@ -80,6 +80,37 @@ def test_train_step_grad_norm_matches_hf_autograd(tiny_model_dir):
     torch.testing.assert_close(ref_after, before, atol=0, rtol=0)  # ... the reference did not
 
 
+def test_groups_sharing_a_prompt_match_hf_in_log_probs_and_gradient(tiny_model_dir):
+    """Samples of one prompt packed together (`group_size`): the body's last token predicts every sample's
+    first response token (an extra prediction per sample after the first). Log-probs, entropies and the
+    gradient equal HF's on the unpacked rows, with samples that begin alike, differently, or end early."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for prompt_len in (3, 5):
+        prompt = torch.randint(4, 100, (prompt_len,), generator=g).tolist()
+        rows += [prompt + r for r in ([7, 8, 9], [7, 20], [31, 8, 9, 10], [44])]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):  # left padding, as the rollout batch has it
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    batch = {"input_ids": ids, "attention_mask": mask, "advantages": torch.randn(len(rows), generator=g)}
+    loss_fn = make_loss_fn(float(mask[:, 1:].sum()))
+    ref_logp, ref_norm = hf_logp_and_grad_norm(tiny_model_dir, batch, loss_fn)
+
+    p = policy(tiny_model_dir)
+    logp, entropy = p.log_probs(ids, mask, micro_batch_size=8, group_size=4)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    alone_logp, alone_entropy = p.log_probs(ids, mask, micro_batch_size=8, group_size=1)
+    torch.testing.assert_close(entropy, alone_entropy, atol=1e-5, rtol=0)
+    p.forward_tokens = 0
+    out = p.train_step(batch, loss_fn, micro_batch_size=8, group_size=4)
+    assert out["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    # each group's prompt once, then each sample's response tokens: no token is run twice (before, every
+    # sample also ran a copy of the prompt's last token: 8 more)
+    assert out["forward_tokens"] == sum(len(r) for r in rows) - 3 * (3 + 5)
+
+
 def test_micro_batches_give_the_same_step(tiny_model_dir):
     batch = make_batch(n_rows=4, length=10, seed=1)
     loss_fn = make_loss_fn(float(batch["attention_mask"][:, 1:].sum()))

@@ -26,6 +26,7 @@ from yatt_ray.train import (
 )
 from yatt_ray.train.hf_convert import LlamaShape
 from yatt_ray.train.model import attention_input, load_megatron_shard, read_hf_state_dict
+from yatt_ray.train.policy import packed_logprobs_and_entropy
 from yatt_ray.train.qwen_vl import (
     QwenVisionEncoder,
     join_qwen_vl_state_dict,
@@ -235,7 +236,7 @@ def test_packed_samples_match_transformers_per_row(qwen):
         logits = forward_with_decoder_input(
             model, packed.input_ids, positions, attention_input(model, packed), emb
         )
-        logp = packed.unpack(torch.log_softmax(logits, -1).gather(-1, packed.targets[..., None])[..., 0])
+        logp, _ = packed_logprobs_and_entropy(logits, packed)
     for i, (r, p, g) in enumerate(zip(rows, [pix_a, pix_a, pix_b, pix_b], grids)):
         with torch.no_grad():
             ref = torch.log_softmax(hf_logits(hf, r, p, g), -1)

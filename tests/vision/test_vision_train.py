@@ -15,6 +15,7 @@ from yatt_ray.train import (
     seed_everything,
 )
 from yatt_ray.train.model import read_hf_state_dict
+from yatt_ray.train.policy import packed_logprobs_and_entropy
 from yatt_ray.train.vision import (
     TRAIN_VISION_MODES,
     VisionEncoder,
@@ -249,8 +250,10 @@ def test_packed_rows_with_images_match_hf(megatron_vlm, hf_vlm, pixels):
     index = packed_image_index(packed, ids, mask, IMG)
     shared = packed_image_index(packed, ids, mask, IMG, share_images=True)
     assert len(index) == len(shared) < 5 * P  # a group's prompt images are in its packed row once
-    # each row holds one image (P tokens from i * P on); B's last image token is in both B rows' segments
-    assert set((index // P).tolist()) == {0, 3, 4} and set((shared // P).tolist()) == {0, 3}
+    # each row holds one image (P tokens from i * P on); every image token is in its group's body (B's body
+    # ends with its image's last token, which also predicts each B row's first response token)
+    assert set((index // P).tolist()) == {0, 3} and set((shared // P).tolist()) == {0, 3}
+    assert len(packed.extra_at) == 3  # rows 2, 3 and 5 predict their first own token from their body's end
     with torch.no_grad():
         every = encoder(torch.cat(images)).reshape(-1, 128)
         leaders = torch.zeros_like(every)  # share_images: only the leading rows' images are encoded
@@ -259,9 +262,7 @@ def test_packed_rows_with_images_match_hf(megatron_vlm, hf_vlm, pixels):
         logps = []
         for features in runs:
             logits = forward_packed_with_images(model, packed, features, IMG)
-            logps.append(
-                packed.unpack(torch.log_softmax(logits, -1).gather(-1, packed.targets[..., None])[..., 0])
-            )
+            logps.append(packed_logprobs_and_entropy(logits, packed)[0])
     for i, (r, image) in enumerate(zip(rows, images)):
         with torch.no_grad():
             ref = torch.log_softmax(hf_vlm(input_ids=torch.tensor([r]), pixel_values=image).logits[0], -1)

@@ -101,9 +101,10 @@ def unit_costs(
 ) -> Tensor:
     """Cost [G] (float64, CPU) of each group of `group_size` consecutive rows of a [N, T] mask, G = ceil(N/g).
 
-    A group packs into one row (`packing.pack_shared_prefix`): a shared body of b = c - 1 tokens, c the
-    group's prompt length (real tokens left of `prompt_width`), then each row's own o_j = t_j - b tokens
-    (t_j its real tokens). Without `prompt_width` nothing is shared (b = 0, each row whole).
+    A group packs into one row (`packing.pack_shared_prefix`): a shared body of b = c tokens, c the group's
+    prompt length (real tokens left of `prompt_width`; b = c - 1 where a row has no token past it), then each
+    row's own o_j = t_j - b tokens (t_j its real tokens). Without `prompt_width` nothing is shared (b = 0,
+    each row whole). Responses that begin alike share more in the packing than counted here.
 
         "tokens":  T = b + sum_j o_j                              (the prompt counted once)
         "flops":   F = 6 N T + 12 L q P,  P = sum_j (b + o_j) (b + o_j + 1) / 2
@@ -128,7 +129,10 @@ def unit_costs(
     else:
         prompt = mask[:, :prompt_width].sum(1)
         shortest = torch.full((groups,), math.inf, dtype=torch.float64).scatter_reduce(0, gid, prompt, "amin")
-        body = (shortest - 1).clamp(min=0)
+        past = torch.full((groups,), math.inf, dtype=torch.float64).scatter_reduce(
+            0, gid, total - shortest[gid], "amin"
+        )  # the fewest tokens a row of the group has past the prompt
+        body = torch.where(past > 0, shortest, (shortest - 1).clamp(min=0))
     own = total - body[gid]
     tokens = body + torch.zeros(groups, dtype=torch.float64).index_add(0, gid, own)
     if mode == "tokens":

@@ -5,15 +5,22 @@ padded to the longest response of the batch. Packing removes both wastes. Rows a
 consecutive rows (`group_size`); for a group with real tokens s_1..s_n whose longest common prefix has c
 tokens, the packed row is
 
-    s[0 : c-1]  |  s_1[c-1 :]  |  s_2[c-1 :]  | ... |  s_n[c-1 :]  | padding
-    shared body    segment 1      segment 2             segment n
+    s[0 : b]  |  s_1[b :]  |  s_2[b :]  | ... |  s_n[b :]  | padding
+    shared body  segment 1    segment 2           segment n
 
-Each segment starts with its own copy of the last common token, so that every packed position predicts exactly
-one next token (the first response token of sample j is predicted from segment j's copy). Positions (RoPE):
-body token m sits at m; token m of s_j, m >= c-1, at m, exactly where it sits in the unpacked row. Attention:
-a body token sees the body before it; a segment token sees the whole body and its own segment up to itself;
-no token sees another segment or padding. The outputs at every real token are therefore those of the unpacked
-row, while the model runs over (c-1) + sum_j (len(s_j) - c + 1) tokens instead of n * width.
+with b = c when every row has a token past the common prefix (a prompt's samples: each response has one), else
+b = c - 1, so that no segment is empty. Positions (RoPE): body token m sits at m; token m of s_j, m >= b, at m,
+exactly where it sits in the unpacked row. Attention: a body token sees the body before it; a segment token
+sees the whole body and its own segment up to itself; no token sees another segment or padding. The outputs at
+every real token are therefore those of the unpacked row, while the model runs over b + sum_j (len(s_j) - b)
+tokens instead of n * width.
+
+Each position predicts the token after it (`targets`), except the body's last when b = c: there every row
+predicts its own first token s_j[c] from the same output. Row 1's is that position's target; rows 2..n's are
+extra predictions of the position (`extra_at`, `extra_targets`), scored on its output (`unpack`'s `extra`).
+Before, each segment began with its own copy of the last common token, so every position predicted exactly one
+token, at the price of one more token per sample through every layer: at the benchmark's answers of ~3 tokens a
+fifth of the trainer's tokens.
 
 The trainer runs the model over `flat()`: the rows' real tokens laid end to end as one row [1, T], so no
 layer computes the padding of every packed row to the longest (the attention gathers its own padded form
@@ -47,7 +54,10 @@ class SharedPrefixRows:
     a [G * L] tensor of the position that predicts it, or G * L (a zero) where token t+1 is not real;
     first_row [G] long: the original row whose tokens packed row g starts with (its prompt is g's prompt);
     row [G, L] long: the original row each packed token is taken from (the body: first_row's), -1 on padding
-    (with position_ids, the token's place in that row's real tokens: multimodal RoPE reads its positions there).
+    (with position_ids, the token's place in that row's real tokens: multimodal RoPE reads its positions there);
+    extra_at [E] long: the flat index into [G * L] of each extra prediction's position (a body's last token
+    predicting the first own token of rows 2..n), extra_targets [E] long: the token it predicts; `source`
+    points at G * L + e for extra prediction e, and at G * L + E (a zero) where the next token is not real.
     """
 
     input_ids: Tensor
@@ -57,6 +67,8 @@ class SharedPrefixRows:
     source: Tensor
     first_row: Tensor
     row: Tensor
+    extra_at: Tensor
+    extra_targets: Tensor
     layout: SegmentLayout | None = None  # flat rows (`flat`): their attention layout, made before flattening
 
     def attention_layout(self) -> SegmentLayout:
@@ -82,9 +94,10 @@ class SharedPrefixRows:
         if multiple < 1:
             raise ValueError(f"multiple={multiple} must be >= 1")
         real = self.segment != PAD_SEGMENT
-        total = int(real.sum())
+        total, extras = int(real.sum()), len(self.extra_at)
         length = -(-total // multiple) * multiple
-        rank = torch.full((real.numel() + 1,), length, dtype=torch.long)  # the zero at G * L -> the one at T'
+        # [G * L] packed places, the E extra slots and the zero -> their flat indices: T' + e, then T' + E
+        rank = torch.cat([torch.full((real.numel(),), -1), length + torch.arange(extras + 1)])
         rank[torch.nonzero(real.reshape(-1)).flatten()] = torch.arange(total)
         return SharedPrefixRows(
             self.on_flat(self.input_ids, length),
@@ -94,6 +107,8 @@ class SharedPrefixRows:
             rank[self.source],
             self.first_row,
             self.on_flat(self.row, length, fill=-1),
+            rank[self.extra_at],
+            self.extra_targets,
             self.attention_layout().flattened(real, length),
         )
 
@@ -106,11 +121,23 @@ class SharedPrefixRows:
             out = torch.nn.functional.pad(out, (0, length - out.shape[-1]), value=fill)
         return out.unsqueeze(-2)
 
-    def unpack(self, values: Tensor) -> Tensor:
+    def unpack(self, values: Tensor, extra: Tensor | None = None) -> Tensor:
         """Per-position values [G, L] (e.g. the log-prob of `targets`) -> [B, T-1] in the original columns,
-        0 where the next original token is padding. Differentiable w.r.t. `values`."""
-        flat = torch.cat([values.reshape(-1), values.new_zeros(1)])
-        return flat[self.source]
+        0 where the next original token is padding. Differentiable w.r.t. `values` and `extra`.
+
+        extra [E]: the value of each extra prediction (the log-prob of `extra_targets` at `extra_at`); leave it
+        out for a value of the position itself (an entropy, a critic's value), which every prediction from
+        that position shares."""
+        flat = values.reshape(-1)
+        if extra is None:
+            extra = flat[self.extra_at]
+        return torch.cat([flat, extra, values.new_zeros(1)])[self.source]
+
+    def places(self, index: Tensor) -> Tensor:
+        """Indices into `unpack`'s values ([G * L] places, then the extra predictions, as `source` holds them)
+        -> the packed place ([G * L]) whose output makes each prediction. Not for the zero (padding)."""
+        lookup = torch.cat([torch.arange(self.segment.numel()), self.extra_at.cpu()])
+        return lookup[index.cpu()]
 
     def to(self, device) -> SharedPrefixRows:
         moved = {k: v.to(device) for k, v in vars(self).items() if v is not None}
@@ -140,7 +167,7 @@ def pack_shared_prefix(
         group = list(range(start, min(start + group_size, rows)))
         for sub in [group] if max_len is None else _split_under(group, seqs, max_len):
             members = [seqs[i] for i in sub]
-            units.append((sub, max(_common_prefix(members) - 1, 0), members))
+            units.append((sub, _body_len(members), members))
     length = max(2, max(_packed_len(members) for _, _, members in units))
     g = len(units)
     ids = torch.zeros(g, length, dtype=torch.long)
@@ -148,23 +175,31 @@ def pack_shared_prefix(
     seg = torch.full((g, length), PAD_SEGMENT, dtype=torch.long)
     tgt = torch.zeros(g, length, dtype=torch.long)
     owner = torch.full((g, length), -1, dtype=torch.long)
-    source = torch.full((rows, width - 1), g * length, dtype=torch.long)
+    source = torch.full((rows, width - 1), -1, dtype=torch.long)  # -1: the zero, placed after the extras
+    extra_at: list[int] = []
+    extra_targets: list[int] = []
     for r, (sub, body, members) in enumerate(units):
         first = members[0]
         ids[r, :body], pos[r, :body], seg[r, :body] = first[:body], torch.arange(body), 0
         tgt[r, :body], owner[r, :body] = first[1 : body + 1], sub[0]
         at = body
         for j, (i, s) in enumerate(zip(sub, members), start=1):
-            own = len(s) - body  # this row's tokens from its copy of the last common token on
+            own = len(s) - body  # this row's tokens from the body's end on (>= 1)
             ids[r, at : at + own], seg[r, at : at + own], owner[r, at : at + own] = s[body:], j, i
             pos[r, at : at + own] = torch.arange(body, len(s))
             tgt[r, at : at + own - 1] = s[body + 1 :]
             if len(s) > 1:  # token m+1 of the row is predicted at the packed place of token m
                 place = torch.cat([torch.arange(body), at + torch.arange(own)])[: len(s) - 1]
                 source[i, cols[i][1:] - 1] = r * length + place
+            if j > 1 and body > 0 and s[body] != first[body]:  # its first own token, from the body's last
+                source[i, cols[i][body] - 1] = g * length + len(extra_at)
+                extra_at.append(r * length + body - 1)
+                extra_targets.append(int(s[body]))
             at += own
+    source[source < 0] = g * length + len(extra_at)
     first_row = torch.tensor([sub[0] for sub, _, _ in units], dtype=torch.long)
-    return SharedPrefixRows(ids, pos, seg, tgt, source, first_row, owner)
+    extras = torch.tensor(extra_at, dtype=torch.long), torch.tensor(extra_targets, dtype=torch.long)
+    return SharedPrefixRows(ids, pos, seg, tgt, source, first_row, owner, *extras)
 
 
 def _common_prefix(seqs: list[Tensor]) -> int:
@@ -179,9 +214,16 @@ def _common_prefix(seqs: list[Tensor]) -> int:
     return common
 
 
+def _body_len(members: list[Tensor]) -> int:
+    """The shared body of a packed row: the common prefix c when every row goes on past it, else c - 1 (no
+    row's segment may be empty)."""
+    common = _common_prefix(members)
+    return common if all(len(s) > common for s in members) else max(common - 1, 0)
+
+
 def _packed_len(members: list[Tensor]) -> int:
-    """Tokens of one packed row: the body (common prefix less its last token) and every row's own tokens."""
-    body = max(_common_prefix(members) - 1, 0)
+    """Tokens of one packed row: the body and every row's own tokens."""
+    body = _body_len(members)
     return body + sum(len(s) - body for s in members)
 
 

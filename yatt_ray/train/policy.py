@@ -162,8 +162,7 @@ class MegatronPolicy(MegatronTrainerBase):
                     positions if rows is packed else packed.on_flat(positions, rows.input_ids.shape[-1])
                 )
             logits = forward_packed_with_images(model, on_device, features, encoder.image_token_id, positions)
-        logp, entropy = token_logprobs_and_entropy(logits, on_device.targets, self.tp_group)
-        return on_device.unpack(logp), on_device.unpack(entropy)
+        return packed_logprobs_and_entropy(logits, on_device, self.tp_group)
 
     @torch.no_grad()
     def log_probs(
@@ -342,6 +341,20 @@ class MegatronPolicy(MegatronTrainerBase):
         if sd is None or not self._is_writer():
             return None
         return write_hf_dir(self.model_dir, out_dir, sd)
+
+
+def packed_logprobs_and_entropy(
+    logits: torch.Tensor, packed, tp_group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) [B, T-1] of the original rows from the logits [G, L, V/tp] of their packed rows
+    (`packing.SharedPrefixRows`): each position's log-prob of its target, and each extra prediction's (a
+    shared body's last token predicting rows 2..n's first own tokens) from the logits of its position."""
+    logp, entropy = token_logprobs_and_entropy(logits, packed.targets, tp_group)
+    extra = None
+    if len(packed.extra_at):
+        at_extra = logits.reshape(-1, logits.shape[-1])[packed.extra_at]  # [E, V/tp]
+        extra, _ = token_logprobs_and_entropy(at_extra, packed.extra_targets, tp_group)
+    return packed.unpack(logp, extra), packed.unpack(entropy)
 
 
 def _encode(encoder: Encoder, images: PromptImages, device) -> torch.Tensor:

@@ -425,9 +425,8 @@ def packed_image_index(
     `feats.reshape(-1, D)[index]` are the packed rows' image features (for `decoder_input`).
 
     A token of a shared prefix stands for every row of its group; the first row's is taken, so rows packed
-    together must hold the same images in their common prefix (a prompt's samples do). Tokens after the
-    shared prefix (a prompt that ends inside its image tokens leaves part of the image in every row's own
-    segment) point at their own row's image tokens. `share_images=True` declares that rows packed together
+    together must hold the same images in their common prefix (a prompt's samples do). Image tokens after the
+    shared body (rows packed together that differ inside their images) point at their own row's image tokens. `share_images=True` declares that rows packed together
     hold the same images (a prompt's samples): every index then points at the image tokens of the first row
     with images of its packed row (the leader), so only the leaders' images need encoding; rows of a packed
     row with different numbers of image tokens raise DataError. The last real token of a row has no packed
@@ -452,7 +451,7 @@ def packed_image_index(
                 "least one token after its images (the prompt's text after `<image>`, or the response)"
             )
         m = torch.nonzero(is_image).flatten()  # real-token indices of the image tokens, all < len - 1
-        places = source[i, cols[m + 1] - 1]  # packed place of real token m (it predicts token m + 1)
+        places = packed.places(source[i, cols[m + 1] - 1])  # packed place of real token m (predicting m + 1)
         target = offset
         if share_images:
             leader, target, leader_count = leaders.setdefault(int(places[0]) // length, (i, offset, count))
