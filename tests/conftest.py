@@ -65,9 +65,9 @@ def ray_cluster(tmp_path_factory, demo_cache):
     ]  # fmt: skip
     subprocess.run(start, check=True, env=env, cwd=REPO, capture_output=True, timeout=180)
     address = f"127.0.0.1:{gcs_port}"
-    ray.init(address=address, log_to_driver=False)
-    _wait_for_dashboard(dash_port)
-    try:
+    try:  # from here on the head node runs: stopped however the session ends (a failed connect included)
+        ray.init(address=address, log_to_driver=False)
+        _wait_for_dashboard(dash_port)
         yield {"address": address, "dashboard": f"http://127.0.0.1:{dash_port}", "env": env}
     finally:
         ray.shutdown()
