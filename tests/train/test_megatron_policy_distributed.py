@@ -18,6 +18,31 @@ def _batch_and_tokens():
     return batch, float(batch["attention_mask"][:, 1:].sum())
 
 
+def _grouped_batch():
+    """Two prompts' groups of 4 samples (left-padded) whose first response tokens differ: packed with
+    group_size=4, each body's last token predicts every sample's first token (the extra predictions)."""
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for prompt_len in (3, 5):
+        prompt = torch.randint(4, 100, (prompt_len,), generator=g).tolist()
+        rows += [prompt + [10 + j] + torch.randint(4, 100, (j,), generator=g).tolist() for j in range(4)]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    return {"input_ids": ids, "attention_mask": mask, "advantages": torch.randn(len(rows), generator=g)}
+
+
+def _grouped_passes(p: MegatronPolicy) -> dict:
+    """Log-probs, entropies and a train step of `_grouped_batch` packed in groups of 4."""
+    batch = _grouped_batch()
+    logp, entropy = p.log_probs(batch["input_ids"], batch["attention_mask"], micro_batch_size=8, group_size=4)
+    tokens = float(batch["attention_mask"][:, 1:].sum())
+    metrics = p.train_step(batch, make_loss_fn(tokens), micro_batch_size=8, group_size=4)
+    return {"logp": logp, "entropy": entropy, "metrics": metrics}
+
+
 def _vocab_parallel_check(tp_group, rank: int, tp: int):
     """Logp / entropy / grads w.r.t. this rank's vocab slice of fixed random logits."""
     g = torch.Generator().manual_seed(0)
@@ -40,7 +65,8 @@ def tp2_worker(rank, world_size, model_dir, batch, tokens):
         "entropy": entropy,
         "vp": vocab_parallel,
         "metrics": metrics,
-        "sd": p.hf_state_dict(),
+        "sd": p.hf_state_dict(),  # after the first step (DP=2 takes one); then the grouped passes
+        "grouped": _grouped_passes(p),
     }
 
 
@@ -62,7 +88,8 @@ def tp1(tiny_model_dir, single_process_world):
         "entropy": entropy,
         "vp": _vocab_parallel_check(None, 0, 1),
         "metrics": metrics,
-        "sd": p.hf_state_dict(),
+        "sd": p.hf_state_dict(),  # after the first step (DP=2 takes one); then the grouped passes
+        "grouped": _grouped_passes(p),
     }
 
 
@@ -75,6 +102,17 @@ def test_tp2_log_probs_equal_tp1(tp1, tp2):
     for r in range(2):
         torch.testing.assert_close(tp2[r]["logp"], tp1["logp"], atol=1e-5, rtol=0)
         torch.testing.assert_close(tp2[r]["entropy"], tp1["entropy"], atol=1e-5, rtol=0)
+
+
+def test_tp2_packed_groups_equal_tp1(tp1, tp2):
+    """Shared-prefix groups under TP=2: the extra predictions of a body's last token are scored on the
+    vocabulary shards like every other place (log-probs, entropies and the step's grad norm as at TP=1)."""
+    want = tp1["grouped"]
+    for r in range(2):
+        got = tp2[r]["grouped"]
+        torch.testing.assert_close(got["logp"], want["logp"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got["entropy"], want["entropy"], atol=1e-5, rtol=0)
+        assert got["metrics"]["grad_norm"] == pytest.approx(want["metrics"]["grad_norm"], rel=1e-5)
 
 
 def test_vocab_parallel_logprobs_and_grads_tp2(tp1, tp2):
