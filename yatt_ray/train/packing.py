@@ -49,15 +49,15 @@ class SharedPrefixRows:
     """Packed rows [G, L] and the map back to the original [B, T] layout.
 
     input_ids [G, L] token ids (0 on padding); position_ids [G, L] RoPE positions; segment [G, L] 0 = shared
-    body, j >= 1 = a row's own tokens, -1 = padding;; targets [G, L] the token each position predicts (0 where
+    body, j >= 1 = a row's own tokens, -1 = padding; targets [G, L] the token each position predicts (0 where
     none); source [B, T-1] long: for original column t (which predicts original token t+1) the flat index into
-    a [G * L] tensor of the position that predicts it, or G * L (a zero) where token t+1 is not real;
+    a [G * L] tensor of the position that predicts it, G * L + e for extra prediction e (below), or G * L + E
+    (a zero) where token t+1 is not real;
     first_row [G] long: the original row whose tokens packed row g starts with (its prompt is g's prompt);
     row [G, L] long: the original row each packed token is taken from (the body: first_row's), -1 on padding
     (with position_ids, the token's place in that row's real tokens: multimodal RoPE reads its positions there);
     extra_at [E] long: the flat index into [G * L] of each extra prediction's position (a body's last token
-    predicting the first own token of rows 2..n), extra_targets [E] long: the token it predicts; `source`
-    points at G * L + e for extra prediction e, and at G * L + E (a zero) where the next token is not real.
+    predicting the first own token of rows 2..n), extra_targets [E] long: the token it predicts.
     """
 
     input_ids: Tensor

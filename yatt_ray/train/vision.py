@@ -426,10 +426,11 @@ def packed_image_index(
 
     A token of a shared prefix stands for every row of its group; the first row's is taken, so rows packed
     together must hold the same images in their common prefix (a prompt's samples do). Image tokens after the
-    shared body (rows packed together that differ inside their images) point at their own row's image tokens. `share_images=True` declares that rows packed together
-    hold the same images (a prompt's samples): every index then points at the image tokens of the first row
-    with images of its packed row (the leader), so only the leaders' images need encoding; rows of a packed
-    row with different numbers of image tokens raise DataError. The last real token of a row has no packed
+    shared body (rows packed together that differ inside their images) point at their own row's image tokens.
+    `share_images=True` declares that rows packed together hold the same images (a prompt's samples): every
+    index then points at the image tokens of the first row with images of its packed row (the leader), so only
+    the leaders' images need encoding; rows of a packed row with different numbers of image tokens raise
+    DataError. The last real token of a row has no packed
     place of its own in `packed.source`: it must not be an image token (DataError).
     """
     g, length = packed.input_ids.shape
