@@ -279,14 +279,13 @@ def _run(
     """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     import ray
 
-    from yatt_ray.metrics.hub import start_hub
     from yatt_ray.progress import DriverProgress
-    from yatt_ray.run_control import StopOnSignal, abort_training, start_control
+    from yatt_ray.run_control import StopOnSignal, abort_training, start_run_actor
 
     if plan.genrm is not None:  # Ray Serve's import (~0.5 s of CPU while the workers start) only with a judge
         from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
-    hub, control = start_hub(), start_control()
+    hub = control = start_run_actor()  # one actor holds both: the metrics hub and the run control
     engines = _start_engines(config, plan)
     actors = {"hub": hub, "control": control, "engines": engines}
     trainer = _trainer(config, plan, files, real_gpus, output_dir, actors)

@@ -1,7 +1,7 @@
 """Run control: the driver's line to the workers about the run itself ("save and stop" requests, fatal errors)
 and the signals that ask for it (SIGTERM, Ctrl-C).
 
-`RunControl` is a small Ray actor started by the driver. The driver (on SIGTERM) or anyone holding the handle
+`RunControl` lives in a small Ray actor started by the driver (`RunActor`, with the `MetricsHub`). The driver (on SIGTERM) or anyone holding the handle
 (a preemption watcher) calls ``request_stop``; the workers poll ``stop_requested`` once per step, save a
 checkpoint and leave cleanly. A worker that fails with the library's own error (bad data, bad config) records
 it; such an error is deterministic (retrying cannot fix it), so the attempt Ray Train starts after it ends at
@@ -17,15 +17,16 @@ import threading
 from collections.abc import Callable
 
 from yatt_ray.checkpoint.schedule import PreemptionFlag
+from yatt_ray.metrics.hub import MetricsHub
 
 log = logging.getLogger(__name__)
 
 
-def start_control():
-    """The control actor (no CPU reserved)."""
+def start_run_actor():
+    """The run's one driver-side actor, `RunActor`: the metrics hub and the run control (no CPU reserved)."""
     import ray
 
-    return ray.remote(num_cpus=0)(RunControl).remote()
+    return ray.remote(num_cpus=0)(RunActor).remote()
 
 
 def run_guarded(control, train: Callable[[], None]) -> None:
@@ -69,6 +70,16 @@ class RunControl:
 
     def fatal(self) -> BaseException | None:
         return self._fatal
+
+
+class RunActor(MetricsHub, RunControl):
+    """`MetricsHub` and `RunControl` in one actor: one process, not two. An idle Ray actor is not free on a
+    small machine: its core worker wakes about 150 times a second (a signal check every 10 ms), and on two
+    cores every wake-up stalls the trainer's GEMM threads (README, "Against TRL")."""
+
+    def __init__(self) -> None:
+        MetricsHub.__init__(self)
+        RunControl.__init__(self)
 
 
 class StopOnSignal:

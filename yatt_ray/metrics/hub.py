@@ -1,4 +1,4 @@
-"""The one channel from workers to the driver: a small actor that holds per-step scalar metrics.
+"""The one channel from workers to the driver: per-step scalar metrics, held by the run's actor (`run_control.RunActor`).
 
 Workers push one row of scalars per step; the driver polls for new rows to drive its progress bar and
 sinks. Rows with anything but numbers are refused, so samples can never reach the driver this way. Workers
@@ -15,13 +15,6 @@ from typing import Any
 
 from yatt_ray.metrics.history import ROW_KINDS, MetricRow, RowKind
 from yatt_ray.metrics.timeline import WireSpan, from_wire, to_wire
-
-
-def start_hub():
-    """The hub as a Ray actor (no CPU reserved: it only stores a few numbers per step)."""
-    import ray
-
-    return ray.remote(num_cpus=0)(MetricsHub).remote()
 
 
 def check_scalars(row: dict) -> dict[str, float]:
