@@ -1,11 +1,12 @@
 """Run control: the driver's line to the workers about the run itself ("save and stop" requests, fatal errors)
 and the signals that ask for it (SIGTERM, Ctrl-C).
 
-`RunControl` lives in a small Ray actor started by the driver (`RunActor`, with the `MetricsHub`). The driver (on SIGTERM) or anyone holding the handle
-(a preemption watcher) calls ``request_stop``; the workers poll ``stop_requested`` once per step, save a
-checkpoint and leave cleanly. A worker that fails with the library's own error (bad data, bad config) records
-it; such an error is deterministic (retrying cannot fix it), so the attempt Ray Train starts after it ends at
-once without building anything, and the driver raises the recorded error with its type and message.
+`RunControl` lives in a small Ray actor started by the driver (`RunActor`, with the `MetricsHub`). The driver
+(on SIGTERM) or anyone holding the handle (a preemption watcher) calls ``request_stop``; the workers poll
+``stop_requested`` once per step, save a checkpoint and leave cleanly. A worker that fails with the library's
+own error (bad data, bad config) records it; such an error is deterministic (retrying cannot fix it), so the
+attempt Ray Train starts after it ends at once without building anything, and the driver raises the recorded
+error with its type and message.
 """
 
 from __future__ import annotations

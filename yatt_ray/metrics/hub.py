@@ -1,4 +1,5 @@
-"""The one channel from workers to the driver: per-step scalar metrics, held by the run's actor (`run_control.RunActor`).
+"""The one channel from workers to the driver: per-step scalar metrics, held by the run's actor
+(`run_control.RunActor`).
 
 Workers push one row of scalars per step; the driver polls for new rows to drive its progress bar and
 sinks. Rows with anything but numbers are refused, so samples can never reach the driver this way. Workers
