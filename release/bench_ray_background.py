@@ -2,6 +2,8 @@
 
     python release/bench_ray_background.py                         # 25m, dp 1, every group trained, 60 steps
     python release/bench_ray_background.py --group actors --size 100m
+    python release/bench_ray_background.py --window 15 --hidden 896 --heads 14 --kv-heads 2   # any other
+                                                            # bench_vs_trl.py option is passed on to it
 
 Runs `release/bench_vs_trl.py --only dp1 --all-groups --engines hf` (the yatt_ray runs only; its cached model
 and data) and, once the every-group run has trained a few steps, stops one group of Ray's processes (SIGSTOP)
@@ -9,8 +11,8 @@ for `--window` seconds, resumes them (SIGCONT) for as long, and so on until the 
 running step does not need are stopped (`GROUPS`: the dashboard and its modules, Ray's agents and monitors,
 idle pooled workers, Ray Train's controller, placement-group cleaner and synchronisation actor, Ray Data's stats
 and autoscaling actors); GCS, raylet, the driver, the training worker, its data stream and the run's own actor
-keep running. Steps that ran wholly inside a window are compared (the one straddling each edge is left out):
-the medians of `perf/mfu_train` and `time/train` with the group stopped and running. Last line:
+keep running. Steps that ran wholly inside a window are compared (the two after each edge are left out, one
+for the step under way, one for the driver's lag in writing rows): the medians of `perf/mfu_train` and `time/train` with the group stopped and running. Last line:
 
     ray_background: group=<name> mfu_running=<x> mfu_stopped=<y> train_s_running=<a> train_s_stopped=<b>
 
@@ -51,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--window", type=float, default=7.0, help="seconds stopped, then as many running")
     p.add_argument("--out", type=Path, default=None, help="the runs (default: a temporary folder)")
-    return p.parse_args()
+    args, args.bench_options = p.parse_known_args()
+    return args
 
 
 def matching_pids(pattern: str) -> list[int]:
@@ -124,11 +127,12 @@ def toggle(bench: subprocess.Popen, metrics: Path, pattern: str, window: float) 
 
 
 def split_steps(rows: list[dict], edges: list[tuple[str, int]]) -> dict[str, list[dict]]:
-    """Rows by the state of the window they ran in: rows n + 2 .. m of a window that began with n rows done and
-    ended with m (row n + 1 straddles the edge)."""
+    """Rows by the state of the window they ran in: rows n + 3 .. m of a window that began with n rows written and
+    ended with m. Row n + 1 may straddle the edge, and so may row n + 2: the driver writes a step's row up to
+    its poll interval (0.5 s) after the step ends, so n can be one short; m one short only leaves a row out."""
     out: dict[str, list[dict]] = {"stopped": [], "running": []}
     for (state, first), (_, last) in zip(edges, edges[1:]):
-        out[state].extend(rows[first + 1 : last])
+        out[state].extend(rows[first + 2 : last])
     return out
 
 
@@ -136,7 +140,7 @@ def main() -> None:
     args = parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="ray_background_"))
     command = [sys.executable, str(ROOT / "release" / "bench_vs_trl.py"), "--size", args.size, "--only", "dp1",
-               "--all-groups", "--engines", "hf", "--steps", str(args.steps), "--out", str(out)]  # fmt: skip
+               "--all-groups", "--engines", "hf", "--steps", str(args.steps), "--out", str(out), *args.bench_options]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     before = len(run_dirs(out))
     with open(out / "bench_vs_trl.log", "w") as log:
@@ -146,6 +150,9 @@ def main() -> None:
         while bench.poll() is None and len(train_rows(metrics)) < 4:  # past the first steps' warm-up
             time.sleep(0.5)
         edges = toggle(bench, metrics, GROUPS[args.group], args.window)
+    except BaseException:  # Ctrl-C or no every-group run: the benchmark does not go on alone
+        bench.terminate()
+        raise
     finally:
         bench.wait()
     by_state = split_steps(train_rows(metrics), edges)

@@ -430,8 +430,8 @@ def packed_image_index(
     `share_images=True` declares that rows packed together hold the same images (a prompt's samples): every
     index then points at the image tokens of the first row with images of its packed row (the leader), so only
     the leaders' images need encoding; rows of a packed row with different numbers of image tokens raise
-    DataError. The last real token of a row has no packed
-    place of its own in `packed.source`: it must not be an image token (DataError).
+    DataError. The last real token of a row has no packed place of its own in `packed.source`: it must not be
+    an image token (DataError).
     """
     g, length = packed.input_ids.shape
     unset = torch.iinfo(torch.long).max
