@@ -77,6 +77,34 @@ def dp2_worker(rank, world_size, model_dir, batch, tokens):
     return {"metrics": metrics, "sd": p.hf_state_dict()}
 
 
+def overlap_worker(rank, world_size, model_dir, batch, tokens, distributed_optimizer):
+    """Three steps of half the rows in 2, 1, 2 micro-batches, gradients reduced in small buckets while the last
+    micro-batch's backward runs (from the second step on: the first step learns which gradients to expect)."""
+    from yatt_ray.train import trainer_base
+
+    trainer_base.GRAD_BUCKET_PARAMS = 20_000  # the tiny model's ~0.2M parameters in several buckets
+    p = MegatronPolicy(model_dir, lr=LR, grad_clip=1.0, seed=0, distributed_optimizer=distributed_optimizer)
+    half = {k: v[rank::2] for k, v in batch.items()}
+    norms = [p.train_step(half, make_loss_fn(tokens), micro_batch_size=m)["grad_norm"] for m in (1, 2, 1)]
+    return {"norms": norms, "sd": p.hf_state_dict(), "buckets": len(p.model.bucket_groups)}
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_gradients_reduced_during_backward_take_the_one_rank_steps(
+    tiny_model_dir, single_process_world, distributed_optimizer
+):
+    batch, tokens = _batch_and_tokens()
+    one = MegatronPolicy(tiny_model_dir, lr=LR, grad_clip=1.0, seed=0)
+    norms = [one.train_step(batch, make_loss_fn(tokens), micro_batch_size=4)["grad_norm"] for _ in range(3)]
+    expected = one.hf_state_dict()
+    dp2 = run_ranks(overlap_worker, 2, tiny_model_dir, batch, tokens, distributed_optimizer)
+    for r in range(2):
+        assert dp2[r]["buckets"] > 2
+        assert dp2[r]["norms"] == pytest.approx(norms, rel=1e-5)
+        for k, v in dp2[r]["sd"].items():
+            torch.testing.assert_close(v, expected[k], atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def tp1(tiny_model_dir, single_process_world):
     batch, tokens = _batch_and_tokens()

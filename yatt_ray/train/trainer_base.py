@@ -4,6 +4,8 @@ A trainer is one Megatron `GPTModel` (subclasses say how to build it) in fp32 or
 AdamW on fp32 main weights, optionally sharded over data-parallel ranks (`optimizer.MainParamOptimizer`), and:
 - a no-grad pass over a batch in micro-batches whose per-row results come back in the original row order;
 - a training step: micro-batches forward + backward (gradients accumulate), one DP all-reduce, clip, step;
+  the all-reduce runs during the last micro-batch's backward, a bucket at a time as its gradients are complete
+  (Megatron's `overlap_grad_reduce`; the earlier micro-batches run under `no_sync`);
 - TP gathering of the full state dict, HF-directory writing, and offload / onload to host memory.
 
 Gradient convention: the loss of a micro-batch is already divided by the GLOBAL normaliser (e.g. the response
@@ -168,11 +170,14 @@ class MegatronTrainerBase:
         totals: dict[str, float] = {}
         self.forward_tokens = 0
         with self._part("forward_backward"):
-            for index in micro_batch_indices(
-                batch["attention_mask"], micro_batch_size, max_tokens, group_size
-            ):
-                loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
-                loss.backward()
+            indices = micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens, group_size)
+            if not indices:
+                raise ValueError("the batch has no rows; nothing to train")
+            for i, index in enumerate(indices):
+                last = i == len(indices) - 1
+                with nullcontext() if last else self.model.no_sync():
+                    loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
+                    loss.backward()
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
         totals["forward_tokens"] = float(self.forward_tokens)
@@ -197,11 +202,13 @@ class MegatronTrainerBase:
 
     def _sync_and_clip(self) -> float:
         """Sum gradients over DP (all-reduce, or reduce-scatter into the owned shards when the optimizer is
-        sharded), clip by the global norm; return the norm."""
+        sharded), clip by the global norm; return the norm. The DP reduction began during the last micro-batch's
+        backward, bucket by bucket (Megatron's `overlap_grad_reduce`); it is waited for before anything else
+        touches the gradient buffer (sums commute: DP then TP is the same sum as TP then DP)."""
+        self.model.finish_grad_sync()
         if dist.get_world_size(self.tp_group) > 1:  # per-head norms (Qwen3): each TP rank saw its heads only
             for p in tp_partial_grad_parameters(self.model):
                 dist.all_reduce(main_grad(p), group=self.tp_group)
-        self.model.finish_grad_sync()
         side = []  # summed over DP ranks like the model's (the loss is globally normalised)
         for p in self._side_params():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -334,15 +341,24 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+# parameters per gradient-reduction bucket; None: Megatron's default (max(40M, 1M x DP size))
+GRAD_BUCKET_PARAMS: int | None = None
+
+
 def _wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool):
     """Megatron DDP with fp32 gradient buffers; with `distributed_optimizer` it reduce-scatters them into the
-    owned shards and keeps the weights in one flat buffer per dtype that `start_param_sync` all-gathers."""
+    owned shards and keeps the weights in one flat buffer per dtype that `start_param_sync` all-gathers.
+    Buckets (`GRAD_BUCKET_PARAMS` parameters each) are reduced while the backward pass goes on: on GPUs on
+    NCCL's stream beside the remaining backward (not measured here); on a 2-core CPU gloo's copies and sums
+    compete with the backward for the cores (measured neutral with 4M-parameter buckets: 100m dp 2, train
+    phase 3.87 s against 3.86 s; 25m 1.14 against 1.15 s)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=True,
         use_distributed_optimizer=distributed_optimizer,
+        bucket_size=GRAD_BUCKET_PARAMS,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
