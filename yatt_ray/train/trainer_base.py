@@ -349,9 +349,9 @@ def _wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool):
     """Megatron DDP with fp32 gradient buffers; with `distributed_optimizer` it reduce-scatters them into the
     owned shards and keeps the weights in one flat buffer per dtype that `start_param_sync` all-gathers.
     Buckets (`GRAD_BUCKET_PARAMS` parameters each) are reduced while the backward pass goes on: on GPUs on
-    NCCL's stream beside the remaining backward (not measured here); on a 2-core CPU gloo's copies and sums
-    compete with the backward for the cores (measured neutral with 4M-parameter buckets: 100m dp 2, train
-    phase 3.87 s against 3.86 s; 25m 1.14 against 1.15 s)."""
+    NCCL's stream beside the remaining backward (not measured here); on a 2-core CPU on gloo's thread (100m dp
+    2, three buckets: train phase 3.85 / 3.88 s against 4.03 / 4.06 s reduced after the backward; with 4M-
+    parameter buckets, 25 gloo calls whose copies and sums take the cores from the backward: 3.87 s, no gain)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
