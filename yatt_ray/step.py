@@ -25,7 +25,7 @@ from yatt_ray.algos import (
 from yatt_ray.algos.losses import ADVANTAGE_PROPORTIONAL
 from yatt_ray.batch import RolloutBatch
 from yatt_ray.config import AlgoConfig
-from yatt_ray.metrics.flops import PerfModel, causal_pairs, registered_perf_model
+from yatt_ray.metrics.flops import PerfModel, causal_pairs, registered_perf_model, shared_prompt_work
 
 
 def compute_advantages(
@@ -209,7 +209,7 @@ def _token_mean_shares(per_token: dict[str, torch.Tensor], mask: torch.Tensor, g
 
 _SUMS = (
     "reward", "correct", "samples", "response_tokens", "prompt_tokens", "truncated", "logp_diff", "prompts_clipped",
-    "kl", "greedy_reward", "causal_pairs", "overlong_penalty", "logp_tokens",
+    "kl", "greedy_reward", "causal_pairs", "overlong_penalty", "logp_tokens", "shared_tokens", "shared_pairs",
 )  # fmt: skip
 
 
@@ -217,7 +217,8 @@ def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
     """This group's additive statistics, in the order of _SUMS (token sums over the response mask)."""
     assert batch.rewards is not None and batch.old_logp is not None
     mask = batch.response_mask
-    prompt_tokens = batch.attention_mask[:, : batch.prompt_width].sum()
+    prompt_lengths = batch.attention_mask[:, : batch.prompt_width].sum(dim=1)
+    lengths = batch.attention_mask.sum(dim=1)
     seen = ~batch.old_logp.isnan()  # on-policy, a row the train step left out has no log-probs (NaN)
     diff = ((batch.old_logp - batch.rollout_logp).abs() * mask).where(seen, 0.0).sum()
     kl: float | torch.Tensor = 0.0
@@ -230,15 +231,16 @@ def local_sums(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
         (batch.rewards >= 1.0).sum(),
         batch.size,
         mask.sum(),
-        prompt_tokens,
+        prompt_lengths.sum(),
         batch.truncated,
         diff,
         batch.prompts_clipped,
         kl,
         greedy,
-        causal_pairs(batch.attention_mask.sum(dim=1)),
+        causal_pairs(lengths),
         overlong,
         (mask * seen).sum(),
+        *shared_prompt_work(prompt_lengths, lengths, batch.group_size),
     ]
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
@@ -320,11 +322,12 @@ def perf_metrics(
     """Achieved model FLOP/s per accelerator in the rollout and train phases, and MFU against the peak
     (formulas in `yatt_ray.metrics.flops`). Collective: the peak is averaged over every rank's PerfModel.
 
-    F = forward FLOPs of the step's sequences (all groups, prompt + response tokens): rollout = F; train =
-    3 F x algo.ppo_epochs, or, when the policy's train step reports `forward_tokens` (the tokens it ran through
+    F = forward FLOPs of the step's sequences (all groups, prompt + response tokens): train = 3 F x
+    algo.ppo_epochs, or, when the policy's train step reports `forward_tokens` (the tokens it ran through
     the model per optimizer step, summed over data-parallel ranks, after its shared-prompt packing; the
     controller averages it over the step's algo.ppo_epochs x algo.ppo_mini_batches optimizer steps),
-    3 F x ran / real tokens with ran = forward_tokens x optimizer steps. Achieved = FLOPs / (phase time x
+    3 F x ran / real tokens with ran = forward_tokens x optimizer steps. Rollout = the forward FLOPs of each
+    group's prompt once and every response (`flops.shared_prompt_work`). Achieved = FLOPs / (phase time x
     workers), the phase time being the slowest worker's; MFU = achieved / peak. A critic's train step is in
     `time/train` but not counted.
     """
@@ -339,7 +342,8 @@ def perf_metrics(
     else:
         train = 3.0 * forward * algo.ppo_epochs
     out: dict[str, float] = {}
-    for phase, flops in (("train", train), ("rollout", forward)):
+    rollout = perf.flops.forward(sums.get("shared_tokens", 0.0), sums.get("shared_pairs", 0.0))
+    for phase, flops in (("train", train), ("rollout", rollout)):  # a phase that took no time: not reported
         seconds = maxima.get(phase, 0.0)
         if seconds > 0:
             out[f"perf/{phase}_flops_per_s"] = flops / (seconds * max(workers, 1))

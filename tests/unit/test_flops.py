@@ -10,6 +10,7 @@ from yatt_ray.metrics.flops import (
     PerfModel,
     causal_pairs,
     measure_matmul_flops,
+    shared_prompt_work,
     table_peak,
     worker_perf_model,
 )
@@ -85,3 +86,24 @@ def test_cpu_peak_is_measured_and_an_override_wins(tmp_path, monkeypatch):
 def test_causal_pairs_count_what_attention_scores(lengths):
     by_loop = sum(sum(i + 1 for i in range(t)) for t in lengths)
     assert causal_pairs(torch.tensor(lengths)) == by_loop
+
+
+def test_a_shared_prompt_counts_once_a_group():
+    """Two groups of 3 samples: each prompt's positions and the pairs among them once, every response token
+    attending to its prompt and to its own earlier tokens (counted by enumerating the attended keys)."""
+    prompts, responses = [4, 2], [[1, 3, 0], [5, 2, 2]]
+    tokens, pairs = 0, 0
+    for p, group in zip(prompts, responses):
+        tokens += p + sum(group)
+        pairs += sum(q + 1 for q in range(p))  # prompt position q attends to positions 0..q
+        pairs += sum(p + j + 1 for r in group for j in range(r))  # response token j: the prompt and 0..j
+    prompt_lengths = torch.tensor([p for p in prompts for _ in range(3)])
+    lengths = prompt_lengths + torch.tensor([r for group in responses for r in group])
+    assert shared_prompt_work(prompt_lengths, lengths, group_size=3) == (tokens, pairs)
+    # one sample a group: the same as the unshared count
+    assert shared_prompt_work(prompt_lengths, lengths, group_size=1) == (
+        float(lengths.sum()),
+        causal_pairs(lengths),
+    )
+    with pytest.raises(ValueError, match="not whole groups of group_size=4"):
+        shared_prompt_work(prompt_lengths, lengths, group_size=4)

@@ -46,6 +46,21 @@ def test_mfu_of_the_train_and_rollout_phases(single_process_world):
     assert m["perf/mfu_train"] == pytest.approx(3 * 2 * forward / 4.0 / 1e5)
 
 
+def test_the_rollout_counts_a_groups_prompt_once(single_process_world):
+    perf = PerfModel(FLOPS, peak_flops=1e5, peak_source="test")
+    # one prompt of 2 tokens, two samples of 2 and 3 tokens: T = 2 + 5 = 7; P = 3 (prompt) + (3 + 4) + (3 + 4 + 5)
+    b = pack(
+        [[1, 5], [1, 5]], [[9, 2], [8, 7, 6]], [[-0.5, -0.1], [-0.3, -0.2, -0.1]], pad_id=0, group_size=2
+    )
+    b.rewards, b.old_logp = torch.tensor([1.0, 0.0]), b.rollout_logp.clone()
+    m = reduce_metrics(1, b, {}, dict(TIMES), True, AlgoConfig(), perf=perf)
+    shared = 2 * 1000 * 7 + 4 * 2 * 8 * 22
+    assert m["perf/rollout_flops_per_s"] == pytest.approx(shared / 2.0)
+    # training is not credited the sharing this way: its packed token count says what it ran (next test)
+    unshared = 2 * 1000 * 9 + 4 * 2 * 8 * (10 + 15)
+    assert m["perf/train_flops_per_s"] == pytest.approx(3 * unshared / 4.0)
+
+
 def test_the_trainers_token_count_replaces_the_batchs(single_process_world):
     perf = PerfModel(FLOPS, peak_flops=None, peak_source="unknown")
     # the trainer ran 6 tokens per optimizer step (a shared prompt packed once) for 8 real ones, 2 x 2 steps

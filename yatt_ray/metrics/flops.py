@@ -11,9 +11,11 @@ appendix B convention; norms, rotary embeddings, softmax and the embedding looku
 
 with L layers, h the hidden size, q = heads x head_dim, kv = kv_heads x head_dim, f the MLP width, V the
 vocabulary. Per token the attention term is 4 L q c, c the mean number of positions a token attends to
-(the "4 x layers x hidden x context" of the usual estimate). A rollout costs one forward pass over every
-sample's prompt and response (prefill plus decode with a KV cache; a prompt shared by `n` samples counts `n`
-times), training `3 F_fwd` per pass over the batch.
+(the "4 x layers x hidden x context" of the usual estimate). A rollout costs one forward pass over each
+group's prompt, once however many samples share it, and over every sample's response attending to it (prefill
+plus decode with a KV cache; `shared_prompt_work`): the model FLOPs the step needs, so an engine that prefills
+a shared prompt once per sample does work it is not credited with and an MFU over 1 cannot arise from the
+count. Training costs `3 F_fwd` per pass over the batch.
 
 MFU = achieved model FLOP/s per accelerator / the accelerator's peak. The peak comes from
 `cluster.peak_flops` when set, else the table below (dense, no sparsity, by device and dtype), else on the CPU
@@ -79,6 +81,29 @@ def causal_pairs(lengths: torch.Tensor) -> float:
     """P = sum of t (t + 1) / 2 over the sequence lengths t (the pairs a causal attention scores)."""
     t = lengths.to(torch.float64)
     return float((t * (t + 1) / 2).sum())
+
+
+def shared_prompt_work(
+    prompt_lengths: torch.Tensor, lengths: torch.Tensor, group_size: int
+) -> tuple[float, float]:
+    """(T, P) of a batch whose `group_size` consecutive rows share one prompt, the prompt counted once a group.
+
+    prompt_lengths, lengths: [N] tokens of each row's prompt and of the whole row (prompt + response). With p a
+    group's prompt length and r_i = t_i - p its samples' response lengths:
+
+        T = sum over groups of (p + sum_i r_i)
+        P = sum over groups of (p (p + 1) / 2 + sum_i (r_i p + r_i (r_i + 1) / 2))
+
+    (response token j of a sample attends to the p prompt positions and to j response positions).
+    """
+    if len(lengths) % group_size:
+        raise ValueError(f"{len(lengths)} rows are not whole groups of group_size={group_size}")
+    p_rows, t = prompt_lengths.to(torch.float64), lengths.to(torch.float64)
+    r = t - p_rows
+    p = p_rows[::group_size]
+    tokens = p.sum() + r.sum()
+    pairs = (p * (p + 1) / 2).sum() + (r * p_rows + r * (r + 1) / 2).sum()
+    return float(tokens), float(pairs)
 
 
 @dataclass(frozen=True)
