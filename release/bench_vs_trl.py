@@ -348,6 +348,17 @@ def _gb(nbytes: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- TRL run
+def trl_micro_batch(completions: int, micro_batch_size: int, max_tokens: int | None, row_tokens: int) -> int:
+    """TRL's micro-batch (completions per forward / backward) matching yatt_ray's: with yatt_ray's token
+    budget `max_tokens`, the most rows of TRL's padded width `row_tokens` (longest prompt + max new tokens)
+    that fit it, taken as a divisor of `completions` (TRL's gradient accumulation needs one); else
+    `micro_batch_size` rows (at most `completions`). Both libraries then hold about as many tokens at once."""
+    if max_tokens is None:
+        return min(micro_batch_size, completions)
+    fits = max(1, max_tokens // max(row_tokens, 1))
+    return max(d for d in range(1, completions + 1) if completions % d == 0 and d <= fits)
+
+
 def run_trl(args, python: Path, model_dir: Path, data_file: Path, rows: list[dict], micro: int) -> RunResult:
     """release/trl_grpo_run.py in TRL's venv, with yatt_ray's token ids of every prompt to check against."""
     from transformers import AutoTokenizer
@@ -631,9 +642,15 @@ def run_shape(args: argparse.Namespace, python: Path | None) -> dict[str, str]:
     data_files, rows = write_data(args)
     import yatt_ray
 
-    micro = yatt_ray.load_config(ROOT / "examples" / "configs" / "grpo.yaml").train.micro_batch_size
+    train = yatt_ray.load_config(ROOT / "examples" / "configs" / "grpo.yaml").train
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_tokens = max(len(tokenizer(r["prompt"])["input_ids"]) for r in rows)
+    micro = trl_micro_batch(args.prompts * args.n, train.micro_batch_size, train.max_tokens_per_micro_batch,
+                            prompt_tokens + args.max_new_tokens)  # fmt: skip
     print_setup(args, spec, model_dir, warm, micro)
-    recipe = run_recipe(args, model_dir)
+    recipe = {**run_recipe(args, model_dir), "trl_micro_batch": micro}
     fresh: dict[str, RunResult] = {}
     if "trl" in args.only:
         fresh["trl"] = run_trl(args, python, model_dir, data_files[1], rows, micro)
@@ -658,8 +675,9 @@ def print_setup(args: argparse.Namespace, spec, model_dir: Path, warm: dict, mic
           f"{spec.intermediate_size}, fp32); after warm-up: sampled length {warm['sample_length']:.2f} tokens, "
           f"accuracy {warm['sample_accuracy']:.2f} at temperature 1", flush=True)  # fmt: skip
     print(f"settings: {args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, T=1, lr "
-          f"{args.lr} constant, no KL, {args.steps} steps, seed {args.seed}, micro-batch {micro}; medians over "
-          f"steps {FIRST_MEASURED_STEP}-{args.steps}; cores {os.cpu_count()}", flush=True)  # fmt: skip
+          f"{args.lr} constant, no KL, {args.steps} steps, seed {args.seed}, TRL micro-batch {micro} (as many "
+          f"rows as yatt_ray's token budget holds); medians over steps {FIRST_MEASURED_STEP}-{args.steps}; "
+          f"cores {os.cpu_count()}", flush=True)  # fmt: skip
     import torch
 
     from yatt_ray.train.kernels import ISA_CAPS
