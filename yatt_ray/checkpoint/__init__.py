@@ -7,6 +7,8 @@
 * `CheckpointSchedule` and `PreemptionFlag`: save every N steps / M minutes, and on SIGTERM.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from yatt_ray.checkpoint.schedule import CheckpointSchedule, PreemptionFlag
 from yatt_ray.checkpoint.store import (
     FORMAT_VERSION,
@@ -19,7 +21,22 @@ from yatt_ray.checkpoint.store import (
     Manifest,
     PendingCheckpoint,
 )
-from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
+
+if TYPE_CHECKING:
+    from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
+
+_WRITER_NAMES = ("AsyncCheckpointWriter", "SaveHandle", "load")
+
+
+def __getattr__(name: str) -> Any:
+    """The writer's names, imported when first asked for: it imports torch (about 1.2 s), which the run's
+    driver-side actor (`run_control`, through `schedule`) never needs."""
+    if name in _WRITER_NAMES:
+        from yatt_ray.checkpoint import writer
+
+        return getattr(writer, name)
+    raise AttributeError(f"module 'yatt_ray.checkpoint' has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_VERSION",

@@ -30,6 +30,7 @@ from yatt_ray.train.hf_convert import (
     hf_to_megatron,
     rope_inv_freq,
 )
+from yatt_ray.train.megatron_import import import_megatron
 
 
 def init_parallel_state(tp_size: int, timeout_minutes: float = 30.0) -> None:
@@ -41,6 +42,8 @@ def init_parallel_state(tp_size: int, timeout_minutes: float = 30.0) -> None:
     `timeout_minutes` as their collective timeout (the default group's own timeout does not carry over).
     """
     import torch.distributed as dist
+
+    import_megatron()
     from megatron.core import parallel_state as ps
 
     apply_cpu_shims()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.train.hf_convert import LlamaShape, StateDict
+from yatt_ray.train.megatron_import import import_megatron
 from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
 from yatt_ray.train.model import init_parallel_state, seed_everything, tp_partial_grad_parameters
 from yatt_ray.train.optimizer import MainParamOptimizer, main_grad
@@ -68,6 +69,7 @@ class MegatronTrainerBase:
         dtype: str = "fp32",
         distributed_optimizer: bool = False,
     ):
+        import_megatron()
         from megatron.core import parallel_state as ps
 
         if dtype not in DTYPES:
