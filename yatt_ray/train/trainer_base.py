@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.train.hf_convert import LlamaShape, StateDict
-from yatt_ray.train.megatron_import import import_megatron
 from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
 from yatt_ray.train.model import init_parallel_state, seed_everything, tp_partial_grad_parameters
 from yatt_ray.train.optimizer import MainParamOptimizer, main_grad
@@ -69,9 +68,6 @@ class MegatronTrainerBase:
         dtype: str = "fp32",
         distributed_optimizer: bool = False,
     ):
-        import_megatron()
-        from megatron.core import parallel_state as ps
-
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
@@ -79,7 +75,9 @@ class MegatronTrainerBase:
         self.model_dir = Path(model_dir)
         self.shape = LlamaShape.from_hf_dir(self.model_dir)
         self.seed = seed
-        init_parallel_state(tp_size)
+        init_parallel_state(tp_size)  # imports Megatron (`import_megatron`) on first use
+        from megatron.core import parallel_state as ps
+
         seed_everything(seed)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
