@@ -276,16 +276,32 @@ def _check_checkpoints(config: Config, output_dir: Path) -> str:
 def _run(
     config: Config, plan, files: dict[str, list[str]], real_gpus: bool, output_dir: Path, startup
 ) -> Result:
+    """Start the run's actor, run, and end the actor whatever happened: a handle kept alive by a caller (an
+    exception's traceback held in a notebook, pytest's record of a failure) would otherwise keep its process."""
+    import ray
+
+    from yatt_ray.run_control import start_run_actor
+
+    control = start_run_actor()  # one actor holds both: the metrics hub and the run control
+    try:
+        return _follow(config, plan, files, real_gpus, output_dir, startup, control)
+    finally:
+        ray.kill(control, no_restart=True)
+
+
+def _follow(
+    config: Config, plan, files: dict[str, list[str]], real_gpus: bool, output_dir: Path, startup, control
+) -> Result:
     """Start the services and the TorchTrainer, follow the run from the driver, and collect its Result."""
     import ray
 
     from yatt_ray.progress import DriverProgress
-    from yatt_ray.run_control import StopOnSignal, abort_training, start_run_actor
+    from yatt_ray.run_control import StopOnSignal, abort_training
 
     if plan.genrm is not None:  # Ray Serve's import (~0.5 s of CPU while the workers start) only with a judge
         from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
 
-    hub = control = start_run_actor()  # one actor holds both: the metrics hub and the run control
+    hub = control
     engines = _start_engines(config, plan)
     actors = {"hub": hub, "control": control, "engines": engines}
     trainer = _trainer(config, plan, files, real_gpus, output_dir, actors)

@@ -8,6 +8,7 @@ import pytest
 
 import yatt_ray
 from yatt_ray.models.tiny import build_tiny_model
+from yatt_ray.testing.drills import live_actor_pids
 
 
 def config(tmp_path, *over):
@@ -94,3 +95,5 @@ def test_a_reward_that_raises_mid_run_stops_once_with_its_type(tmp_path, ray_clu
         yatt_ray.fit(config(tmp_path, *over))
     assert "raised in a training worker" in str(info.value)
     assert raised.read_text().count("raised") == 1  # the attempt after it did not train into it again
+    # the run's actor (metrics hub and run control) ended with the run, though `info`'s traceback holds its handle
+    assert not live_actor_pids("RunActor"), "the run left its RunActor alive"
