@@ -16,42 +16,76 @@ rank then reaches the store there, so none runs on another machine):
    clients.
 Otherwise (a cluster across machines) Ray's own setup runs unchanged.
 
-Depends on Ray Train's private torch backend (`_TorchBackend`, `_set_torch_distributed_env_vars`, the v1
-`WorkerGroup`) as of Ray 2.60; tests/integration/test_cluster.py checks the listening sockets of a local
-`fit()` run.
+Depends on Ray Train's private torch backend (`_TorchBackend`, `_set_torch_distributed_env_vars`,
+`_shutdown_torch`, the v1 `WorkerGroup`) as of Ray 2.60; tests/integration/test_cluster.py checks the listening
+sockets of a local `fit()` run.
+
+This module imports no torch: Ray Train's controller (a process of every run) unpickles `WorldConfig` and runs
+its backend, and `ray.train.torch.config` imports torch (1.2 s of CPU at each run's start). Torch is imported in
+the workers, by the functions they run; in the controller only when the world spans machines (Ray's own setup).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-from ray.train._internal.worker_group import WorkerGroup as V1WorkerGroup
-from ray.train.torch import TorchConfig
-from ray.train.torch.config import _is_backend_nccl, _set_torch_distributed_env_vars, _TorchBackend
+from ray.train.backend import Backend, BackendConfig
+from ray.train.v2._internal.util import TrainingFramework
 
-_SERVER: dist.TCPStore | None = None  # rank 0's store server, alive while the world is
+log = logging.getLogger(__name__)
+
+_SERVER: Any = None  # rank 0's store server (a torch.distributed.TCPStore), alive while the world is
 
 
-class WorldConfig(TorchConfig):
-    """`TorchConfig` whose rendezvous store listens on the master address when that is loopback."""
+@dataclass
+class WorldConfig(BackendConfig):
+    """Ray's `TorchConfig` (same fields, same worker context) whose rendezvous store listens on the master
+    address when that is loopback."""
+
+    backend: str | None = None
+    init_method: str = "env"
+    timeout_s: int = 1800
 
     @property
     def backend_cls(self):
         return _LoopbackWorldBackend
 
+    @property
+    def train_func_context(self):
+        from ray.train.torch.config import TorchConfigContextManager  # read where the trainer is built
 
-class _LoopbackWorldBackend(_TorchBackend):
+        return TorchConfigContextManager
+
+    @property
+    def framework(self):
+        return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "init_method": self.init_method, "timeout_s": self.timeout_s}
+
+    def torch_config(self):
+        """This config as Ray's `TorchConfig` (imports torch)."""
+        from ray.train.torch import TorchConfig
+
+        return TorchConfig(**self.to_dict())
+
+
+class _LoopbackWorldBackend(Backend):
+    share_cuda_visible_devices: bool = True  # as Ray's torch backend
+
     def on_start(self, worker_group: Any, backend_config: Any) -> None:  # a WorldConfig
         import ray
+        from ray.train._internal.worker_group import WorkerGroup as V1WorkerGroup
 
         host = worker_group.execute_single(0, ray.util.get_node_ip_address)
         if not is_loopback(host):
-            super().on_start(worker_group, backend_config)
+            _torch_backend().on_start(worker_group, backend_config.torch_config())
             return
         backend = backend_config.backend
         if backend is None:  # Ray's default
@@ -61,7 +95,7 @@ class _LoopbackWorldBackend(_TorchBackend):
         port = worker_group.execute_single(0, _serve_store, host, world_size, backend_config.timeout_s)
         worker_group.execute(_set_master, host, port)
         if not isinstance(worker_group, V1WorkerGroup):  # Ray Train v1 sets them in on_training_start
-            worker_group.execute(_set_torch_distributed_env_vars)  # LOCAL_RANK, RANK, WORLD_SIZE, ...
+            worker_group.execute(_set_rank_env)  # LOCAL_RANK, RANK, WORLD_SIZE, ...
         joins = [
             worker_group.execute_single_async(
                 rank, _join_world, backend, host, port, rank, world_size, backend_config.timeout_s
@@ -71,8 +105,36 @@ class _LoopbackWorldBackend(_TorchBackend):
         ray.get(joins, timeout=backend_config.timeout_s + 60)  # each join times out after timeout_s itself
 
     def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
-        super().on_shutdown(worker_group, backend_config)  # destroys the process group
+        import ray
+        from ray._private.ray_constants import env_integer
+        from ray.exceptions import GetTimeoutError
+        from ray.train.constants import (
+            DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+            TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+        )
+
+        # as Ray's torch backend: destroy the process group (more than one rank), free CUDA's cache
+        futures = worker_group.execute_async(_shutdown_world, destroy_process_group=len(worker_group) > 1)
+        timeout_s = env_integer(
+            TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+        )
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except GetTimeoutError:
+            log.warning("the torch process group's shutdown timed out after %s s", timeout_s)
         worker_group.execute_single(0, _release_store)
+
+    def on_training_start(self, worker_group: Any, backend_config: Any) -> None:
+        from ray.train._internal.worker_group import WorkerGroup as V1WorkerGroup
+
+        if isinstance(worker_group, V1WorkerGroup):
+            worker_group.execute(_set_rank_env)
+
+
+def _torch_backend():
+    from ray.train.torch.config import _TorchBackend
+
+    return _TorchBackend()
 
 
 def is_loopback(host: str) -> bool:
@@ -92,8 +154,22 @@ def _use_loopback_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def _set_rank_env() -> None:
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    _set_torch_distributed_env_vars()
+
+
+def _shutdown_world(destroy_process_group: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy_process_group)
+
+
 def _serve_store(host: str, world_size: int, timeout_s: float) -> int:
     """In rank 0: start the world's store on `host` only; its port."""
+    import torch.distributed as dist
+
     global _SERVER
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -118,6 +194,9 @@ def _set_master(host: str, port: int) -> None:
 
 
 def _join_world(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    import torch.distributed as dist
+    from ray.train.torch.config import _is_backend_nccl
+
     timeout = timedelta(seconds=timeout_s)
     store = _SERVER if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if _is_backend_nccl(backend) and not {
