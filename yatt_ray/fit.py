@@ -416,8 +416,9 @@ def _trainer(
             **actors,
         },
         # gloo for the controller's small CPU collectives (metrics, token counts), nccl for GPU tensors; the
-        # rendezvous store on 127.0.0.1 when the cluster is there (rendezvous.py)
-        torch_config=WorldConfig(backend="cpu:gloo,cuda:nccl" if real_gpus else "gloo"),
+        # rendezvous store on 127.0.0.1 when the cluster is there (rendezvous.py; a TorchConfig by duck typing,
+        # whose module imports no torch in Ray Train's controller)
+        torch_config=WorldConfig(backend="cpu:gloo,cuda:nccl" if real_gpus else "gloo"),  # type: ignore[arg-type]
         scaling_config=ScalingConfig(
             num_workers=plan.num_workers,
             use_gpu=plan.uses_gpus,
