@@ -217,8 +217,8 @@ class MegatronCritic(MegatronTrainerBase):
         data-parallel ranks.
         """
 
-        def micro_loss(micro: dict) -> tuple[torch.Tensor, dict]:
-            return loss_fn(self._forward(micro["input_ids"], micro["attention_mask"], group_size), micro)
+        def micro_loss(micro: dict, host: dict) -> tuple[torch.Tensor, dict]:
+            return loss_fn(self._forward(host["input_ids"], host["attention_mask"], group_size), micro)
 
         return self._train_step(batch, micro_batch_size, max_tokens_per_micro_batch, micro_loss, group_size)
 

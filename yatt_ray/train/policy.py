@@ -296,10 +296,10 @@ class MegatronPolicy(MegatronTrainerBase):
         ranks (so a metric normalised like the loss adds up to its whole-step value).
         """
 
-        def micro_loss(micro: dict) -> tuple[torch.Tensor, dict]:
-            images = {k: micro[k] for k in ("image_prompt", "images") if k in micro}
+        def micro_loss(micro: dict, host: dict) -> tuple[torch.Tensor, dict]:
+            images = {k: host[k] for k in ("image_prompt", "images") if k in host}
             logp, entropy = self._forward(
-                self.model, micro["input_ids"], micro["attention_mask"], group_size, **images
+                self.model, host["input_ids"], host["attention_mask"], group_size, **images
             )
             return loss_fn(logp, entropy, micro)
 

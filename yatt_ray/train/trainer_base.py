@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
 from yatt_ray.train.model import init_parallel_state, seed_everything, tp_partial_grad_parameters
 from yatt_ray.train.optimizer import MainParamOptimizer, main_grad
 
-MicroLoss = Callable[[dict], tuple[torch.Tensor, dict]]
+MicroLoss = Callable[[dict, dict], tuple[torch.Tensor, dict]]  # (micro on the device, micro on the host)
 RowForward = Callable[..., Sequence[torch.Tensor]]  # (ids [b, T], mask [b, T], **extra rows) -> [b, ...] each
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> the weights' torch dtype
 
@@ -140,7 +141,9 @@ class MegatronTrainerBase:
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, **(extra or {})}
         outs: list[torch.Tensor] = []
         for index in micro_batch_indices(attention_mask, micro_batch_size, max_tokens, group_size):
-            micro = select_rows(batch, rows, index, self.device)
+            micro = select_rows(
+                batch, rows, index, "cpu"
+            )  # the forward packs on the host, moves what it needs
             ids, mask = micro.pop("input_ids"), micro.pop("attention_mask")
             results = forward(ids, mask, **micro)
             if not outs:
@@ -158,16 +161,18 @@ class MegatronTrainerBase:
         micro_loss: MicroLoss,
         group_size: int = 1,
     ) -> dict:
-        """One optimizer step: `micro_loss(micro_batch) -> (loss, metrics)` per micro-batch, backward each.
+        """One optimizer step: `micro_loss(micro, host) -> (loss, metrics)` per micro-batch, backward each.
 
-        Every tensor of `batch` with B rows is indexed per micro-batch (and moved to the device); other values
-        are passed whole; groups of `group_size` consecutive rows stay in one micro-batch. Returns
+        Every tensor of `batch` with B rows is indexed per micro-batch: `micro` on the device (for the loss),
+        `host` on the CPU (what the forward packs: reading the device's copy back would wait for every kernel
+        queued before, the previous micro-batch's backward included, and leave the GPU idle while the host
+        packs); other values are passed whole; groups of `group_size` consecutive rows stay in one micro-batch. Returns
         {"grad_norm", "lr", "forward_tokens", **metrics}, metrics summed over micro-batches and DP ranks;
         forward_tokens counts the tokens the model ran over (packed, summed over DP ranks).
         """
         self.model.train()
         rows = batch["input_ids"].shape[0]
-        totals: dict[str, float] = {}
+        totals: dict[str, Any] = {}  # float or 0-d tensor on the device
         self.forward_tokens = 0
         with self._part("forward_backward"):
             indices = micro_batch_indices(batch["attention_mask"], micro_batch_size, max_tokens, group_size)
@@ -176,10 +181,13 @@ class MegatronTrainerBase:
             for i, index in enumerate(indices):
                 last = i == len(indices) - 1
                 with nullcontext() if last else self.model.no_sync():
-                    loss, metrics = micro_loss(select_rows(batch, rows, index, self.device))
+                    host = select_rows(batch, rows, index, "cpu")
+                    micro = host if self.device == "cpu" else select_rows(batch, rows, index, self.device)
+                    loss, metrics = micro_loss(micro, host)
                     loss.backward()
-                for k, v in metrics.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+                for k, v in metrics.items():  # summed on the device: read once, after the last micro-batch
+                    totals[k] = totals.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else v)
+        totals = {k: float(v) for k, v in totals.items()}
         totals["forward_tokens"] = float(self.forward_tokens)
         with self._part("grad_sync", busy=False):  # waits here for the slowest data-parallel rank
             grad_norm = self._sync_and_clip()
