@@ -61,6 +61,7 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     startup.mark("inputs_checked")
     connect(config)
     startup.mark("ray_started")
+    _start_autoscaling_coordinator()
     import ray
 
     from yatt_ray.placement import plan_placement
@@ -75,6 +76,19 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
         print("  " + _kernels(config, plan.cpus_per_worker), flush=True)
     startup.mark("kernels_chosen")
     return _run(config, plan, files, real_gpus, output_dir, startup)
+
+
+def _start_autoscaling_coordinator() -> None:
+    """Start the cluster's Ray Data autoscaling coordinator (a detached actor, one per cluster) now, while the
+    driver plans: Ray Train's controller creates it otherwise and waits for its process to start before it
+    creates the workers (Ray 2.60, `ScalingPolicy.after_controller_start`). A no-op where it runs already."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+    except ImportError:  # another Ray: its controller starts what it needs
+        return
+    get_or_create_autoscaling_coordinator()
 
 
 def _resolve_config(config: Config | dict | str | Path | None, overrides: list[str] | None) -> Config:

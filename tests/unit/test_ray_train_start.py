@@ -1,8 +1,10 @@
-"""`WorldConfig` is Ray's `TorchConfig` for Ray Train (same fields, context and CUDA sharing) without torch in the
-process that unpickles it: Ray Train's controller, started by every run."""
+"""What each run's Ray Train start relies on: `WorldConfig` is Ray's `TorchConfig` for Ray Train (same fields,
+context and CUDA sharing) without torch in the process that unpickles it (Ray Train's controller), and the
+autoscaling coordinator `fit()` starts early is the one Ray Train's controller waits for."""
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import subprocess
 import sys
@@ -32,3 +34,13 @@ def test_the_controller_side_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["_LoopbackWorldBackend", "gloo", "False"], out
+
+
+def test_fit_starts_the_coordinator_ray_train_waits_for():
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as data_side
+    from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client as train_side
+
+    # the controller's client creates the coordinator through this function (named, detached, get_if_exists)
+    assert train_side.get_or_create_autoscaling_coordinator is data_side.get_or_create_autoscaling_coordinator
+    source = inspect.getsource(data_side.get_or_create_autoscaling_coordinator)
+    assert 'lifetime="detached"' in source and "get_if_exists=True" in source
