@@ -58,13 +58,15 @@ def connect(config: Config) -> None:
     needed = _logical_cpus_needed(config)
     # Every process of the local cluster on 127.0.0.1 (the dashboard too: Ray Train's placement-group
     # cleaner queries it, so it stays on).
-    with _node_ip_stays_loopback():
+    # The variables go in the node's environment, which its worker processes inherit, not in the job's runtime
+    # env: a job with one gets a process of its own for every actor and task, where Ray's pool of started
+    # workers serves a job without.
+    with _node_ip_stays_loopback(), _environ(env):
         ray.init(
             address="local",
             num_cpus=max(cores, min(needed, 4 * cores)),
             _node_ip_address=LOOPBACK,
             dashboard_host=LOOPBACK,
-            **options,
             **ray_init_options(verbose, local=True),
         )
 
@@ -155,6 +157,19 @@ def _logical_cpus_needed(config: Config) -> int:
     genrm = genrm_replica_count(config, bool(config.cluster.use_gpu)) if config.reward.mode != "rule" else 0
     engines = config.placement.rollout_engines * config.placement.cpus_per_engine
     return (config.train.dp_size * config.train.tp_size + genrm) * cpus + engines + DATA_CPUS + 1
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """`env` in this process's environment (a variable already set wins) while a local node starts, then
+    removed: the node's processes keep it, and give it to every worker process they start."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """`cluster.cpus_per_worker` None: the node's CPUs shared among its training workers (no Ray cluster: the
-node list is faked)."""
+node list is faked); a local node's environment."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -81,3 +83,15 @@ def test_spread_over_cpu_nodes_and_genrm_replicas_take_their_share(monkeypatch):
 
 def test_shared_cpus_is_at_least_one():
     assert shared_cpus(1, 8) == 1 and shared_cpus(9, 2) == 4 and shared_cpus(0, 0) == 1
+
+
+def test_a_local_node_starts_with_the_job_variables_in_its_environment(monkeypatch):
+    """A local cluster's processes inherit the variables (so the job needs no runtime env, whose processes
+    Ray's worker pool cannot serve); a variable already set wins; the driver's environment is left as it was."""
+    from yatt_ray.cluster import _environ
+
+    monkeypatch.setenv("YATT_TEST_SET", "user")
+    monkeypatch.delenv("YATT_TEST_NEW", raising=False)
+    with _environ({"YATT_TEST_SET": "job", "YATT_TEST_NEW": "job"}):
+        assert os.environ["YATT_TEST_SET"] == "user" and os.environ["YATT_TEST_NEW"] == "job"
+    assert os.environ["YATT_TEST_SET"] == "user" and "YATT_TEST_NEW" not in os.environ
