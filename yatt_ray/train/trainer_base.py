@@ -129,8 +129,9 @@ class MegatronTrainerBase:
         extra: dict[str, torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Run `forward(ids [b, T], mask [b, T], **extra rows) -> tensors [b, ...]` per micro-batch, in eval
-        mode; groups of `group_size` consecutive rows stay in one micro-batch. `extra`: more [B, ...] tensors
-        sliced with the rows (a vision policy's `pixel_values`, `image_count`).
+        mode, its inputs on the host (as `_train_step`'s `host`); groups of `group_size` consecutive rows stay
+        in one micro-batch. `extra`: more [B, ...] tensors sliced with the rows (a vision policy's
+        `pixel_values`, `image_count`).
 
         Returns each output for all B rows, in the original row order, on the CPU.
         """
@@ -141,9 +142,7 @@ class MegatronTrainerBase:
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, **(extra or {})}
         outs: list[torch.Tensor] = []
         for index in micro_batch_indices(attention_mask, micro_batch_size, max_tokens, group_size):
-            micro = select_rows(
-                batch, rows, index, "cpu"
-            )  # the forward packs on the host, moves what it needs
+            micro = select_rows(batch, rows, index, "cpu")  # `forward` packs on the host, moves what it runs
             ids, mask = micro.pop("input_ids"), micro.pop("attention_mask")
             results = forward(ids, mask, **micro)
             if not outs:
@@ -166,8 +165,8 @@ class MegatronTrainerBase:
         Every tensor of `batch` with B rows is indexed per micro-batch: `micro` on the device (for the loss),
         `host` on the CPU (what the forward packs: reading the device's copy back would wait for every kernel
         queued before, the previous micro-batch's backward included, and leave the GPU idle while the host
-        packs); other values are passed whole; groups of `group_size` consecutive rows stay in one micro-batch. Returns
-        {"grad_norm", "lr", "forward_tokens", **metrics}, metrics summed over micro-batches and DP ranks;
+        packs); other values are passed whole; groups of `group_size` consecutive rows stay in one
+        micro-batch. Returns {"grad_norm", "lr", "forward_tokens", **metrics}, metrics summed over micro-batches and DP ranks;
         forward_tokens counts the tokens the model ran over (packed, summed over DP ranks).
         """
         self.model.train()
