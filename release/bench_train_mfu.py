@@ -152,8 +152,8 @@ def sync() -> None:
 
 def profile_step(policy, batch: dict, loss_fn, args: argparse.Namespace) -> None:
     """One more `train_step` under torch.profiler: its wall time, the time the device ran kernels (on a GPU; the
-    rest of the wall time it waited for the host: launches, Python, syncs), and the top `args.profile` ops by
-    self time on the device (GPU), then on the host."""
+    rest of the wall time it waited for the host: launches, Python, syncs; and the host syncs of one step more,
+    `count_host_syncs`), and the top `args.profile` ops by self time on the device (GPU), then on the host."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -170,9 +170,25 @@ def profile_step(policy, batch: dict, loss_fn, args: argparse.Namespace) -> None
         kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
         busy = sum(e.self_device_time_total for e in kernels) / 1e6
         line += f"; GPU kernels {busy:.3f} s ({busy / wall:.0%} busy; the rest it waited on the host)"
+        line += f"; {count_host_syncs(policy, batch, loss_fn, args)} host syncs a step"
     print(line)
     for sort in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]:  # host time: launches
         print(events.table(sort_by=sort, row_limit=args.profile, max_name_column_width=60), flush=True)
+
+
+def count_host_syncs(policy, batch: dict, loss_fn, args: argparse.Namespace) -> int:
+    """CUDA: how many times one more `train_step` made the host wait for the GPU (torch's sync debug mode warns
+    at each synchronising call: a copy to the host, `.item()`, a synchronize); each stalls the launch queue."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            policy.train_step(batch, loss_fn, micro_batch_size=args.micro_batch_size)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in seen)
 
 
 def one_line(text: str) -> str:
