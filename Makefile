@@ -26,7 +26,7 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
-# the tests that need no Ray cluster (about 70 seconds): for iteration; `make test` is what CI runs
+# the tests that need no Ray cluster (under two minutes): for iteration; `make test` is what CI runs
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not cluster and not slow" $(PYTEST_ARGS)
 
