@@ -96,4 +96,4 @@ def test_a_reward_that_raises_mid_run_stops_once_with_its_type(tmp_path, ray_clu
     assert "raised in a training worker" in str(info.value)
     assert raised.read_text().count("raised") == 1  # the attempt after it did not train into it again
     # the run's actor (metrics hub and run control) ended with the run, though `info`'s traceback holds its handle
-    assert not live_actor_pids("RunActor"), "the run left its RunActor alive"
+    assert not live_actor_pids("RunActor", settle_s=10), "the run left its RunActor alive"

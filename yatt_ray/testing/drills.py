@@ -149,24 +149,21 @@ def kill_engine_actor(rank_hint: int = 0) -> int:
     return _kill_actor("EngineActor", rank_hint)
 
 
-def live_actor_pids(class_name: str, settle_s: float = 10.0) -> list[int]:
+def live_actor_pids(class_name: str, settle_s: float = 0.0) -> list[int]:
     """pids of the live actors of `class_name`, after waiting up to `settle_s` for any being killed to end
     (`ray.kill` returns before the process is gone)."""
     from ray.util.state import list_actors
 
     deadline = time.monotonic() + settle_s
     while True:
-        actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
-        if not actors or time.monotonic() > deadline:
+        actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
+        if not actors or time.monotonic() >= deadline:
             return sorted(a.pid for a in actors if a.pid)
         time.sleep(0.5)
 
 
 def _kill_actor(class_name: str, rank_hint: int) -> int:
-    from ray.util.state import list_actors
-
-    actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
-    pids = sorted(a.pid for a in actors if a.pid)
+    pids = live_actor_pids(class_name)
     if not pids:
         raise RuntimeError(f"no live {class_name} actor to kill")
     pid = pids[min(rank_hint, len(pids) - 1)]
