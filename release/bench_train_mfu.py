@@ -235,11 +235,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args: argparse.Namespace, model_dir: Path) -> dict:
+    from yatt_ray.cluster import cpu_env
     from yatt_ray.config import AlgoConfig
     from yatt_ray.metrics.flops import causal_pairs, worker_perf_model
     from yatt_ray.step import perf_metrics
     from yatt_ray.train.policy import MegatronPolicy
 
+    os.environ.update(cpu_env())  # as in the library's workers, before the first GEMM
     preset = PRESETS[args.preset]
     torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cuda = torch.cuda.is_available()

@@ -12,7 +12,8 @@ never the project's environment), builds a char-level Llama with yatt_ray's tiny
 `--size` or the size flags; fp32), warms it up with a short SFT pass on two-digit addition so responses have
 realistic lengths (answer digits + EOS), writes the prompts as parquet, then runs, back to back with the same
 prompts (token for token, in the same order for TRL and dp_size=1), settings and seed:
-- TRL: GRPOTrainer with HF generate, in one process with 2 torch threads (release/trl_grpo_run.py);
+- TRL: GRPOTrainer with HF generate, in one process with 2 torch threads (release/trl_grpo_run.py), without the
+  CPU math settings yatt_ray gives its processes (`yatt_ray.cluster.CPU_ENV`) unless `--trl-cpu-env`;
 - yatt_ray dp_size=1 with cluster.cpus_per_worker=2, and dp_size=2 with one CPU per worker.
 Settings: 32 prompts x 8 samples per step, at most 16 new tokens, temperature 1 (top_p 1), constant lr 1e-4,
 no KL and no reference model, GRPO, one epoch of one mini-batch (on-policy), fp32, 25 steps.
@@ -91,6 +92,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cache", type=Path, default=ROOT / "runs" / "bench_vs_trl", help="warmed models and data"
     )
     p.add_argument("--trl-venv", type=Path, default=None, help="TRL's venv (default: <cache>/trl-venv)")
+    p.add_argument(
+        "--trl-cpu-env",
+        action="store_true",
+        help="give TRL's process the CPU math settings every yatt_ray process gets (yatt_ray.cluster.CPU_ENV); "
+        "default: TRL as its users run it",
+    )
     p.add_argument(
         "--out", type=Path, default=ROOT / "runs" / "bench_vs_trl", help="the runs and their figures"
     )
@@ -376,8 +383,11 @@ def run_trl(args, python: Path, model_dir: Path, data_file: Path, rows: list[dic
     (work / "spec.json").write_text(json.dumps(spec))
     out = work / "result.json"
     out.unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}  # fmt: skip
+    from yatt_ray.cluster import CPU_ENV, cpu_env
+
+    env = {k: v for k, v in os.environ.items() if k not in CPU_ENV}  # fit() put them in this process's
+    env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH="", **(cpu_env() if args.trl_cpu_env else {}))  # fmt: skip
     command = [str(python), str(ROOT / "release" / "trl_grpo_run.py"), str(work / "spec.json"), str(out)]
     load_before, launched = os.getloadavg(), time.time()
     child = subprocess.Popen(command, env=env, cwd=work)
@@ -540,7 +550,7 @@ def load(name: str, out: Path, recipe: dict) -> RunResult | None:
 
 
 def run_recipe(args: argparse.Namespace, model_dir: Path) -> dict:
-    keys = ("steps", "prompts", "n", "max_new_tokens", "lr", "seed")
+    keys = ("steps", "prompts", "n", "max_new_tokens", "lr", "seed", "trl_cpu_env")
     return {"model": model_dir.name, **{k: getattr(args, k) for k in keys}}
 
 

@@ -30,7 +30,8 @@ def connect(config: Config) -> None:
     """Join `cluster.address` (or RAY_ADDRESS, as under `ray job submit`), else start a local cluster; then
     resolve `cluster.cpus_per_worker` when it is None (`resolve_cpus_per_worker`).
 
-    A local one even when a `ray start` cluster runs on this machine (join that one with
+    Every process of the job gets `cpu_env()` (this one too, where the kernels are measured first). A local
+    one even when a `ray start` cluster runs on this machine (join that one with
     `cluster.address=auto`). With `output.verbose=false` the job's processes get the quiet-console settings
     (`yatt_ray.console.job_env_vars`), and those of a local cluster `loopback_env()`; a variable already set
     in this environment wins."""
@@ -38,11 +39,14 @@ def connect(config: Config) -> None:
 
     from yatt_ray.console import job_env_vars, ray_init_options
 
+    os.environ.update(
+        cpu_env()
+    )  # this process measures the kernels (`train.kernels`) as the workers will run
     if ray.is_initialized():
         resolve_cpus_per_worker(config, local=False)
         return
     verbose, address = config.output.verbose, config.cluster.address or os.environ.get("RAY_ADDRESS")
-    env = job_env_vars(verbose, local=not address)
+    env = {**job_env_vars(verbose, local=not address), **cpu_env()}
     if not address:
         env.update((k, v) for k, v in loopback_env().items() if k not in os.environ)
     options: dict = {"runtime_env": {"env_vars": env}} if env else {}
@@ -69,6 +73,21 @@ def connect(config: Config) -> None:
             dashboard_host=LOOPBACK,
             **ray_init_options(verbose, local=True),
         )
+
+
+# MKL's memory manager keeps each thread's GEMM packing buffers for the life of the process, and where they
+# land against the operands decides how fast every later GEMM runs: one 34M-parameter train step, alone in
+# one process on a 2-core AVX2 EPYC, took 3.58-4.30 s from process to process (each steady within itself)
+# and 4.52-4.66 s in every process with address randomisation off; with the manager off (buffers from malloc
+# at each call) 3.52-3.57 s, and 3.91-3.94 s without randomisation (docs/performance-history.md, 2026-12-06).
+CPU_ENV = {"MKL_DISABLE_FAST_MM": "1"}
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment variables for the CPU math of every process of a job (`CPU_ENV`: MKL's memory manager off),
+    each with this process's value where it has one. MKL reads it when a process first calls it, so it goes
+    into the environment a worker starts with."""
+    return {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}
 
 
 def loopback_env() -> dict[str, str]:

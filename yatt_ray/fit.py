@@ -404,6 +404,7 @@ def _trainer(
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from yatt_ray.cluster import cpu_env
     from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
@@ -447,7 +448,7 @@ def _trainer(
             logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
             # the quiet-console variables also where the job's runtime env could not carry them (ray.init
             # called before fit())
-            worker_runtime_env={"env_vars": job_env_vars(config.output.verbose)},
+            worker_runtime_env={"env_vars": {**job_env_vars(config.output.verbose), **cpu_env()}},
         ),
     )
 

@@ -85,6 +85,7 @@ TRAINING_LISTENERS = """
     me = psutil.Process()
     seen = {}  # (pid, ip, port) -> the process's command line, for every LISTEN socket while fit() runs
     gloo_ifname = {}  # pid -> GLOO_SOCKET_IFNAME in each training worker's environment
+    mkl_fast_mm = {}  # pid -> MKL_DISABLE_FAST_MM in each Ray worker process's environment
     done = threading.Event()
 
     def poll():
@@ -95,6 +96,8 @@ TRAINING_LISTENERS = """
                     cmd = proc.name() + " " + " ".join(proc.cmdline())[:60]
                     if "RayTrainWorker" in cmd:
                         gloo_ifname[proc.pid] = proc.environ().get("GLOO_SOCKET_IFNAME")
+                    if cmd.startswith("ray::"):
+                        mkl_fast_mm[proc.pid] = proc.environ().get("MKL_DISABLE_FAST_MM")
                 except psutil.Error:
                     continue
                 for c in conns:
@@ -127,6 +130,7 @@ TRAINING_LISTENERS = """
     ips = ray.get([task.remote(), Actor.remote().ip.remote()], timeout=120)
     nodes = [n["NodeManagerAddress"] for n in ray.nodes()]
     print(json.dumps({"listen": rows, "steps": steps, "gloo_ifname": sorted(set(gloo_ifname.values())),
+                      "mkl_fast_mm": sorted(set(map(str, mkl_fast_mm.values()))), "mkl_workers": len(mkl_fast_mm),
                       "ips": ips, "nodes": nodes, "flag_restored": ray_constants.ENABLE_RAY_CLUSTER}))
 """
 
@@ -154,6 +158,9 @@ def test_local_fit_listens_on_loopback_only(demo_cache, tmp_path):
     # gloo binds this interface's address, not the one the hostname resolves to (127.0.0.1 on some machines
     # only, this one included: the check above alone would pass there without it)
     assert out["gloo_ifname"] == [loopback_interface()], out["gloo_ifname"]
+    # every Ray worker process of the run (training workers, engines, Ray Train's and Ray Data's actors) starts
+    # with MKL's memory manager off (`cluster.CPU_ENV`)
+    assert out["mkl_workers"] >= 3 and out["mkl_fast_mm"] == ["1"], out
 
 
 PLACEMENT = """

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from yatt_ray.cluster import CPU_ENV
+
 LINEAR = ("onednn", "mkl")
 GQA = ("native", "expand")
 WGRAD = ("direct", "transposed", "mkl")  # forms of a layer's weight gradient (`cpu_shims.weight_grad`)
@@ -129,8 +131,9 @@ ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MK
 
 def cache_key(*parts) -> str:
     """A cache key for a measurement on this machine: the CPU model, torch version and the instruction-set
-    caps set in the environment (`ISA_CAPS`: the same CPU measures differently under them), then `parts`."""
-    caps = ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
+    caps set in the environment (`ISA_CAPS`: the same CPU measures differently under them) and the CPU math
+    settings (`cluster.CPU_ENV`), then `parts`."""
+    caps = ",".join(f"{k}={os.environ[k]}" for k in (*ISA_CAPS, *CPU_ENV) if os.environ.get(k))
     return "|".join(
         map(str, (parts[0], _cpu_model(), torch.__version__, *([caps] if caps else []), *parts[1:]))
     )
