@@ -39,9 +39,8 @@ def connect(config: Config) -> None:
 
     from yatt_ray.console import job_env_vars, ray_init_options
 
-    os.environ.update(
-        cpu_env()
-    )  # this process measures the kernels (`train.kernels`) as the workers will run
+    # this process measures the kernels (`train.kernels`) and the matmul peak as the workers will run them
+    os.environ.update(cpu_env())
     if ray.is_initialized():
         resolve_cpus_per_worker(config, local=False)
         return
