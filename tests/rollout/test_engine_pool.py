@@ -43,10 +43,12 @@ def _push(pool: EnginePool, model) -> None:
 ATTEMPTS = itertools.count(1)
 
 
-def _pool(handles, model, seed: int = 0, weights=None) -> EnginePool:
+def _pool(handles, model, seed: int = 0, weights=None, attempt: int | None = None) -> EnginePool:
     """A controller's pool, synced once (with `model`'s weights) as a restarted controller syncs at start:
-    each pool of these tests is a new attempt, whose weights win over every earlier push."""
-    pool = EnginePool(handles, True, weights, seed=seed, attempt=next(ATTEMPTS))
+    each pool of these tests is a new attempt, whose weights win over every earlier push (and whose start
+    drops the requests of earlier ones), unless given the `attempt` of pools used beside it."""
+    attempt = next(ATTEMPTS) if attempt is None else attempt
+    pool = EnginePool(handles, True, weights, seed=seed, attempt=attempt)
     _push(pool, model)
     return pool
 
@@ -126,16 +128,17 @@ def test_sampling_follows_the_pools_saved_stream(engines, hf_models):
     in-process engine's state is refused with what to do."""
     spec = SamplingSpec(n=2, max_new_tokens=8, temperature=1.0)
     tokens = lambda out: [c.token_ids for group in complete(out) for c in group]  # noqa: E731
-    a, b = (_pool(engines, hf_models[0], seed=3) for _ in range(2))
+    attempt = next(ATTEMPTS)  # four controllers of one attempt
+    a, b = (_pool(engines, hf_models[0], seed=3, attempt=attempt) for _ in range(2))
     assert tokens(a.generate(GenerateRequest(PROMPTS, spec))) == tokens(
         b.generate(GenerateRequest(PROMPTS, spec))
     )
     saved = a.rng_state()
     next_a = tokens(a.generate(GenerateRequest(PROMPTS, spec)))
-    c = _pool(engines, hf_models[0], seed=3)
+    c = _pool(engines, hf_models[0], seed=3, attempt=attempt)
     c.set_rng_state(saved)
     assert tokens(c.generate(GenerateRequest(PROMPTS, spec))) == next_a
-    fresh = _pool(engines, hf_models[0], seed=3)
+    fresh = _pool(engines, hf_models[0], seed=3, attempt=attempt)
     assert next_a != tokens(fresh.generate(GenerateRequest(PROMPTS, spec)))
     with pytest.raises(YattError, match="placement.rollout_engines"):
         c.set_rng_state({"cpu": torch.zeros(1, dtype=torch.uint8), "cuda": None})

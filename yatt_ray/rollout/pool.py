@@ -37,10 +37,13 @@ import logging
 import os
 import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import ray
 import torch
 
 from yatt_ray.errors import YattError
@@ -53,40 +56,89 @@ Bucket = list[tuple[str, torch.Tensor]]
 # pushes are newer than every push before it, so an engine never keeps weights the resumed run rolled back
 Tag = tuple[int, int]
 INITIAL: Tag = (0, -1)  # the model directory's weights
+STATS = (  # an engine pool's counters, summed per step (`take_stats`); the queue wait is its maximum
+    "rollout/engine_requests", "rollout/resent_prompts", "rollout/engine_refreshes", "rollout/weight_timeouts",
+    "rollout/failed_broadcasts", "rollout/engine_queue_max_s",
+)  # fmt: skip
 Weights = Callable[[], Iterable[Iterable[tuple[str, torch.Tensor]]]]  # the policy's buckets, gathered anew
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+REQUEST_THREADS = 256  # an engine actor's threads for requests (waiting ones hold one each)
+
+
+class WeightsMissing(YattError):
+    """A request waited `rollout.weight_timeout_s` for a weight version no push had brought to its engine."""
+
+
+class StaleAttempt(YattError):
+    """A request from a training attempt that a newer attempt replaced: dropped, not run (nobody reads it)."""
+
+
+@dataclass
+class _Ticket:
+    """A request queued on an engine actor: the weights it asks for, its attempt, and its answer once run."""
+
+    request: GenerateRequest
+    version: Tag
+    attempt: int
+    arrived: float = field(default_factory=time.monotonic)
+    result: tuple[list, int, Tag, float] | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def joins(self, other: _Ticket) -> bool:
+        """Whether `other` may run in one engine call with this one: the same sampling but for the seed, and no
+        long-tail abort (`finish_after` counts the prompts of one request)."""
+        a, b = self.request, other.request
+        return (
+            a.finish_after is None
+            and b.finish_after is None
+            and replace(a.spec, seed=None) == replace(b.spec, seed=None)
+        )
 
 
 class EngineActor:
-    """One rollout engine in an actor of its own (`make_engine` inside), with the weight version it holds."""
+    """One rollout engine in an actor of its own (`make_engine` inside), with the weight version it holds.
+
+    Requests from every controller queue here and run together: when the engine is free, the oldest request
+    whose weights are in takes every queued request it can share an engine call with (`_Ticket.joins`) and
+    runs them as one batch (one continuous batch in vLLM, one decode loop in the HF engine). A request waits
+    for its weight version at most `weight_timeout_s` of the time that version is missing (neither held nor
+    kept as a push); time queued behind other requests does not count. A request of an older training attempt
+    than one seen since is dropped. Pushes, `info` and the broadcast group run on a concurrency group of their
+    own (`control`), so no number of waiting requests delays a push."""
 
     def __init__(
-        self, kind: str, model_dir: str, threads: int, engine_kwargs: dict[str, Any], ordered: bool = False
-    ) -> None:
+        self, kind: str, model_dir: str, threads: int, engine_kwargs: dict[str, Any], ordered: bool = False,
+        weight_timeout_s: float = 600.0,
+    ) -> None:  # fmt: skip
         from yatt_ray.rollout import make_engine
 
         if threads > 0:
             torch.set_num_threads(threads)
         self.engine = make_engine(kind, model_dir, **engine_kwargs)
-        # calls run on a few threads (a weight push need not wait behind every queued request); the engine
-        # itself is used by one at a time, under `ready`
-        self.ready = threading.Condition()
+        self.ready = threading.Condition()  # guards everything below; the engine runs one batch at a time
         self.version: Tag = INITIAL  # the model directory's weights
+        self.attempt = 0  # the newest training attempt seen (requests of older ones are dropped)
+        self.weight_timeout_s = weight_timeout_s
         self.group: Any = None
         self.store: Any = None
         self.staged: list[Bucket] = []  # buckets received through the broadcast group, not applied yet
+        self.missed: Tag | None = None  # a broadcast push that failed here: requests for it bounce at once
         # pushes not applied yet, oldest first: the newest only, unless `ordered`
         self.pending: list[tuple[Tag, list[Bucket]]] = []
-        # rollout.ordered: a request runs on exactly the version it asks for; a push waits behind the requests
-        # asking for older versions (`asked`: the versions of the requests waiting or running)
+        # rollout.ordered: a request runs on exactly the version it asks for, alone; a push waits behind the
+        # requests asking for older versions (`asked`: the versions of the requests waiting or running)
         self.ordered = ordered
         self.asked: list[Tag] = []
-        self.running = False  # a request holds the engine
+        self.queue: list[_Ticket] = []  # requests waiting, oldest first
+        self.running = False  # a batch holds the engine
         self.in_flight_pushes = 0  # pushes applied between the decode steps of a running request
+        self.batches = 0  # engine calls so far
+        self.batched_requests = 0  # requests they served
+        self.receiving = 0  # broadcast buckets being received now (a push under way)
 
+    @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:
-        import ray
-
         return {
             "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),  # a new one after a restart
@@ -94,62 +146,165 @@ class EngineActor:
             "in_flight_pushes": self.in_flight_pushes,
             "kept_pushes": len(self.pending),
             "running": self.running,
+            "queued": len(self.queue),
+            "batches": self.batches,
+            "batched_requests": self.batched_requests,
+            "receiving": self.receiving,
             "takes_image_features": bool(getattr(self.engine, "takes_image_features", False)),
         }
 
-    def generate(self, request: GenerateRequest, version: Tag, pid: int) -> tuple[list, int, Tag] | None:
+    def generate(
+        self, request: GenerateRequest, version: Tag, pid: int, attempt: int = 0
+    ) -> tuple[list, int, Tag, float] | None:
         """(per prompt its completions or None if aborted, aborted count, the weight version that started
-        them). None when this is not the process `pid` the caller knew (restarted: it holds the model
-        directory's weights): the caller pushes them or goes elsewhere. Otherwise it waits until it holds
-        weights of `version` or newer (a push may still be on its way); a newer version is fine, and is
-        reported (asynchronous rollout). One request runs at a time. An engine that takes weights in flight
-        (`in_flight_updates`: the HF engine on a text model) applies a push that arrives meanwhile between
-        two decode steps, and the request's unfinished completions continue under it (each token's version
-        in `Completion.versions`); other engines apply it when the request ends. `ordered`: no push is applied
-        in flight, and none past `version` before this request ran, so it runs on `version` exactly (unless
-        the engine restarted meanwhile and was given newer weights)."""
+        them, seconds it queued). None when this is not the process `pid` the caller knew (restarted: it holds
+        the model directory's weights), or when a broadcast push of `version` failed here: the caller pushes
+        the weights or goes elsewhere. Otherwise it waits until it holds weights of `version` or newer and the
+        engine is free (see the class docstring); a newer version is fine, and is reported (asynchronous
+        rollout). An engine that takes weights in flight (`in_flight_updates`: the HF engine on a text model)
+        applies a push that arrives meanwhile between two decode steps, and the request's unfinished
+        completions continue under it (each token's version in `Completion.versions`); other engines apply it
+        when the batch ends. `ordered`: requests run alone, no push is applied in flight, and none past
+        `version` before this request ran, so it runs on `version` exactly (unless the engine restarted
+        meanwhile and was given newer weights). Raises `WeightsMissing` after `weight_timeout_s` of missing
+        weights, `StaleAttempt` for a request of an attempt older than one seen."""
         if pid != os.getpid():
             return None
+        ticket = _Ticket(request, version, attempt)
         with self.ready:
+            if self.missed is not None and self.version < version and version >= self.missed:
+                return None
+            self._see_attempt(attempt)
+            self.queue.append(ticket)
             self.asked.append(version)
             self._apply_pending()  # the pushes this request waits for, if nothing older waits
-            if not self.ready.wait_for(
-                lambda: not self.running and self.version >= version, GROUP_TIMEOUT.total_seconds()
-            ):
-                self.asked.remove(version)
-                raise YattError(
-                    f"rollout engine: weights of version {version} never arrived (holds {self.version})"
+            batch = self._wait_turn(ticket)
+        if batch:
+            self._run(batch)
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.result
+
+    def _see_attempt(self, attempt: int) -> None:
+        """A newer training attempt: the requests of older ones still queued are dropped (woken to leave)."""
+        if attempt > self.attempt:
+            self.attempt = attempt
+            self.ready.notify_all()
+
+    def _runnable(self, ticket: _Ticket) -> bool:
+        return self.version >= ticket.version and ticket.attempt >= self.attempt
+
+    def _missing(self, version: Tag) -> bool:
+        """No weights of `version` or newer held or kept (`ordered`: of `version` itself, the only one such a
+        request runs on): a push is still on its way, or lost."""
+        kept = [v for v, _ in self.pending]
+        if self.version >= version:
+            return False
+        return version not in kept if self.ordered else all(v < version for v in kept)
+
+    def _wait_turn(self, ticket: _Ticket) -> list[_Ticket]:
+        """Under `ready`: wait until `ticket` was run by another request's batch ([]) or is the oldest runnable
+        request on a free engine (the batch it runs, itself first). Only the time its weights are missing
+        counts toward `weight_timeout_s`."""
+        missing_s = 0.0
+        while not ticket.done:
+            if ticket.attempt < self.attempt:
+                self._leave([ticket])
+                raise StaleAttempt(
+                    f"request of training attempt {ticket.attempt} dropped: attempt {self.attempt} has started"
                 )
-            self.running, start = True, self.version
+            if not self.running and next((t for t in self.queue if self._runnable(t)), None) is ticket:
+                return self._take_batch(ticket)
+            missing = self._missing(ticket.version)
+            if missing and missing_s >= self.weight_timeout_s:
+                self._leave([ticket])
+                raise WeightsMissing(
+                    f"rollout engine: weights of version {ticket.version} did not arrive within "
+                    f"rollout.weight_timeout_s={self.weight_timeout_s:g} s (holds {self.version}); the "
+                    "controller pushes them again or sends the prompts to another engine"
+                )
+            start = time.monotonic()
+            self.ready.wait(timeout=max(0.01, min(1.0, self.weight_timeout_s - missing_s)))
+            if missing:
+                missing_s += time.monotonic() - start
+        return []
+
+    def _take_batch(self, first: _Ticket) -> list[_Ticket]:
+        """Under `ready`: `first` and every queued runnable request that joins it (none with `ordered`), out of
+        the queue; the engine is taken."""
+        joining = [] if self.ordered else [t for t in self.queue if t is not first and self._runnable(t)]
+        batch = [first, *[t for t in joining if first.joins(t)]]
+        self.queue = [t for t in self.queue if t not in batch]
+        self.running = True
+        return batch
+
+    def _leave(self, tickets: list[_Ticket]) -> None:
+        """Under `ready`: `tickets` are done (answered, dropped or timed out); a push they held back may load."""
+        for t in tickets:
+            t.done = True
+            if t in self.queue:
+                self.queue.remove(t)
+            self.asked.remove(t.version)
+        self._apply_pending()
+        self.ready.notify_all()
+
+    def _run(self, batch: list[_Ticket]) -> None:
+        """Run `batch` on the engine (one call; each request alone if the joint call fails, so one bad
+        request fails only itself), answer each ticket, free the engine."""
         try:
-            if getattr(self.engine, "in_flight_updates", False) and not self.ordered:
-                engine: Any = (
-                    self.engine
-                )  # `generate` with `updates` (not part of the RolloutEngine protocol)
-                out = engine.generate(request, updates=_Pending(self), version=start)
-            else:
-                out = self.engine.generate(request)
-            return out, int(self.engine.last_aborted), start
+            try:
+                self._call(batch)
+            except Exception:
+                if len(batch) == 1:
+                    raise
+                for ticket in batch:
+                    try:
+                        self._call([ticket])
+                    except Exception as exc:  # noqa: BLE001  (handed to that request's caller)
+                        ticket.error = exc
+        except Exception as exc:  # noqa: BLE001
+            batch[0].error = exc
         finally:
             with self.ready:
                 self.running = False
-                self.asked.remove(version)
-                self._apply_pending()
-                self.ready.notify_all()
+                self._leave(batch)
 
+    def _call(self, batch: list[_Ticket]) -> None:
+        """One engine call for the prompts of `batch`, in order; each ticket gets its share of the answer."""
+        start, now = self.version, time.monotonic()
+        request = batch[0].request if len(batch) == 1 else _joined([t.request for t in batch])
+        if getattr(self.engine, "in_flight_updates", False) and not self.ordered:
+            engine: Any = self.engine  # `generate` with `updates` (not part of the RolloutEngine protocol)
+            out = engine.generate(request, updates=_Pending(self), version=start)
+        else:
+            out = self.engine.generate(request)
+        self.batches += 1
+        self.batched_requests += len(batch)
+        offset = 0
+        for ticket in batch:
+            part = out[offset : offset + len(ticket.request.prompts)]
+            offset += len(part)
+            ticket.result = (part, part.count(None), start, now - ticket.arrived)
+
+    @ray.method(concurrency_group="control")
     def apply(self, version: Tag, *buckets: Bucket) -> None:
         """Every bucket of weight `version`, then the version: at once when no request runs, else kept until
         the running request reaches a decode step boundary (or its end). Pushes are sent without waiting, so
         two may arrive out of order: one older than what the engine holds is skipped, and so is one older than
         a kept push (unless `ordered`, where each is kept, in order, until no request asks for older weights)."""
+        self._apply(version, list(buckets))
+
+    def _apply(self, version: Tag, buckets: list[Bucket]) -> None:
         with self.ready:
+            self._see_attempt(version[0])
             kept = [v for v, _ in self.pending]
             newest = max([self.version, *kept]) if not self.ordered else self.version
             if version <= newest or version in kept:
                 return
-            push = (version, list(buckets))
+            push = (version, buckets)
             self.pending = sorted([*self.pending, push], key=lambda p: p[0]) if self.ordered else [push]
             self._apply_pending()
+            self.ready.notify_all()  # a request waiting for this version stops counting it missing
 
     def _apply_pending(self) -> None:
         """Load the kept pushes that may be loaded now: none while a request runs (it takes them itself, between
@@ -178,28 +333,68 @@ class EngineActor:
             self.engine.load_weights(bucket)
         self.engine.finish_weight_sync()
         self.version = version
+        if self.missed is not None and version >= self.missed:
+            self.missed = None
         self.in_flight_pushes += int(self.running)
         self.ready.notify_all()
 
+    @ray.method(concurrency_group="control")
     def finish_weight_sync(self, version: Tag) -> None:
         """The end of a push through the broadcast group: the buckets `receive` staged, applied at once (a
         request between two buckets never sees half of the new weights)."""
         staged, self.staged = self.staged, []
-        self.apply(version, *staged)
+        self._apply(version, staged)
 
+    @ray.method(concurrency_group="control")
+    def missed_push(self, version: Tag) -> None:
+        """A broadcast push of `version` failed before it was whole here (another member died): drop what was
+        staged; requests for it bounce at once until a later push loads (their controller goes elsewhere)."""
+        with self.ready:
+            self.staged = []
+            if self.version < version:
+                self.missed = version
+            self.ready.notify_all()
+
+    @ray.method(concurrency_group="control")
     def join_group(self, host: str, port: int, rank: int, size: int, prefix: str) -> None:
-        """Join the pusher's broadcast group as `rank` (blocks until every member joined)."""
+        """Join the pusher's broadcast group as `rank` (blocks until every member joined); a group joined
+        before is left (its pusher formed a new one)."""
         import torch.distributed as dist
 
+        self.staged, self.group = [], None
         self.store = dist.TCPStore(host, port, size, False, timeout=GROUP_TIMEOUT)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, size, GROUP_TIMEOUT)
 
+    @ray.method(concurrency_group="control")
     def receive(self, meta: list[tuple[str, tuple[int, ...], str]]) -> None:
         """One bucket through the broadcast group: `meta` names each tensor's shape and dtype, in order."""
+        if self.group is None:
+            raise YattError("rollout engine: a broadcast bucket arrived before this engine joined the group")
         buffers = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in _flat_sizes(meta).items()}
-        for buffer in buffers.values():
-            _broadcast(self.group, buffer)
+        self.receiving += 1
+        try:
+            for buffer in buffers.values():
+                _broadcast(self.group, buffer)
+        except Exception:
+            self.staged = []  # the push failed (a member or the pusher died): none of it is applied
+            raise
+        finally:
+            self.receiving -= 1
         self.staged.append(list(_unflatten(meta, buffers)))  # applied with the rest by finish_weight_sync
+
+
+def _joined(requests: list[GenerateRequest]) -> GenerateRequest:
+    """Requests that join (`_Ticket.joins`) as one: their prompts (and images) in turn, the first one's
+    sampling with a seed mixed from all of theirs (None if any has none)."""
+    seeds = [r.spec.seed for r in requests]
+    seed = None if None in seeds else derive_seed(*[s for s in seeds if s is not None])
+    has_images = any(r.images is not None for r in requests)
+    images = [im for r in requests for im in (r.images or [None] * len(r.prompts))] if has_images else None
+    return GenerateRequest(
+        prompts=[p for r in requests for p in r.prompts],
+        spec=replace(requests[0].spec, seed=seed),
+        images=images,
+    )
 
 
 @dataclass
@@ -279,23 +474,32 @@ def spread(costs: list[int], engines: list[int], first: int) -> list[int]:
 
 def start_engine_pool(
     kind: str, model_dir: str, count: int, resources: dict[str, float], engine_kwargs: dict[str, Any],
-    transport: str = "auto", ordered: bool = False,
+    transport: str = "auto", ordered: bool = False, weight_timeout_s: float = 600.0,
 ) -> EngineHandles:  # fmt: skip
-    """The driver's part: `count` engine actors with `resources` each ({"CPU": c, "GPU": 1}) and the router.
+    """The driver's part: `count` engine actors with `resources` each ({"CPU": c, "GPU": 1}, plus any custom
+    resource of the nodes they must run on) and the router.
     Each engine restarts when it dies (its sub-requests are sent again by the pools). `ordered`: see
-    `rollout.ordered`."""
-    import ray
-
+    `rollout.ordered`; `weight_timeout_s`: `rollout.weight_timeout_s`."""
     threads = int(resources.get("CPU", 0))
     gpus = resources.get("GPU", 0.0)
-    actor = ray.remote(EngineActor).options(
+    options = dict(
         num_cpus=resources.get("CPU", 1.0), num_gpus=gpus, max_restarts=-1, max_task_retries=0,
-        max_concurrency=32,  # requests waiting for a push's version must leave a thread for the push
+        resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
+        # a waiting request holds a thread: room for every controller's requests of K + 1 steps, resends
+        # included (more queue in Ray); pushes and `info` have threads of their own
+        max_concurrency=REQUEST_THREADS,
     )  # fmt: skip
+    actor = ray.remote(concurrency_groups={"control": 4})(EngineActor)  # type: ignore[call-overload]
+    run = uuid.uuid4().hex[:8]  # named per run (the dashboard, `ray.get_actor`, the drills)
     engines: list[Any] = [
-        actor.remote(
-            kind, model_dir, threads, {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i}, ordered
-        )
+        actor.options(**options, name=f"yatt-engine-{run}-{i}").remote(  # type: ignore[arg-type]
+            kind,
+            model_dir,
+            threads,
+            {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i},
+            ordered,
+            weight_timeout_s,
+        )  # fmt: skip
         for i in range(count)
     ]
     router = ray.remote(EngineRouter).options(num_cpus=0).remote(count)
@@ -304,7 +508,6 @@ def start_engine_pool(
 
 
 def stop_engine_pool(handles: EngineHandles) -> None:
-    import ray
 
     for actor in [*handles.engines, handles.router]:
         ray.kill(actor, no_restart=True)
@@ -321,12 +524,10 @@ class EnginePool:
         self, handles: EngineHandles, pusher: bool, weights: Weights | None, seed: int, attempt: int = 1,
         rank: int = 0,
     ) -> None:  # fmt: skip
-        import ray
-
         self.engines, self.router, self.transport = handles.engines, handles.router, handles.transport
         self.ordered, self.rank = handles.ordered, rank
         self.pusher, self.weights, self.seed = pusher, weights, seed
-        infos = ray.get([e.info.remote() for e in self.engines])
+        infos = [_wait_until_up(e) for e in self.engines]
         self.takes_image_features = infos[0]["takes_image_features"]
         self.nodes = [i["node"] for i in infos]
         # the training function's start in this run: the versions of earlier starts are older
@@ -334,12 +535,14 @@ class EnginePool:
         self.version = -1  # pushes so far in this attempt (-1: the model directory's weights)
         self.calls = 0  # requests without a seed so far: the sampling stream's position
         self.last_aborted = 0
-        self.stats = {"rollout/engine_requests": 0.0, "rollout/resent_prompts": 0.0}
+        self.stats = dict.fromkeys(STATS, 0.0)
         self._group_members: list[int] = []  # engines on the broadcast group (pusher only)
         self._group: Any = None
         self._store: Any = None
-        self._pids = [i["pid"] for i in infos]
+        self._pids = [i["pid"] for i in infos]  # each engine's process as this controller last knew it
+        self._group_pids: list[int] = []  # the members' processes when the group formed (pusher only)
         self._syncing = False
+        self._push_failed = False  # a broadcast of this push failed (pusher only): the members get it again
         self._buckets: list[Any] = []  # this push's buckets in the object store (pusher only)
         self._applying: list[Any] = []  # the engines' applies of the latest push, not waited for
 
@@ -384,7 +587,6 @@ class EnginePool:
     ) -> list[list[Completion] | None]:
         """The results of a submitted request (prompts of a dead or stale engine sent again); the weight
         version of each prompt's samples lands in `generation.versions`."""
-        import ray
 
         self.last_aborted = 0
         g = generation
@@ -400,7 +602,8 @@ class EnginePool:
                 self.stats["rollout/resent_prompts"] += len(idxs)
                 g.pending.update(self._dispatch(g.request, idxs, g.costs, g.avoid))
                 continue
-            groups, aborted, version = out
+            groups, aborted, version, queued_s = out
+            self.stats["rollout/engine_queue_max_s"] = max(self.stats["rollout/engine_queue_max_s"], queued_s)
             self.last_aborted += aborted
             for i, group in zip(idxs, groups):
                 g.results[i], g.versions[i] = group, version
@@ -412,7 +615,6 @@ class EnginePool:
         self, request: GenerateRequest, idxs: list[int], costs: list[int], avoid: set[int]
     ) -> dict[Any, tuple[int, list[int]]]:
         """One sub-request per engine the router picks for prompts `idxs`: {ref: (engine, its prompts)}."""
-        import ray
 
         if len(avoid) == len(self.engines):
             raise YattError(
@@ -432,37 +634,49 @@ class EnginePool:
         for engine, part in by_engine.items():
             sub = _sub_request(request, part)
             self.stats["rollout/engine_requests"] += 1
-            call = self.engines[engine].generate.remote(sub, self.tag, self._pids[engine])
+            call = self.engines[engine].generate.remote(sub, self.tag, self._pids[engine], self.attempt)
             pending[call] = (engine, part)
         return pending
 
-    def _result(self, ref: Any, engine: int) -> tuple[list, int, Tag] | None:
-        import ray
-
+    def _result(self, ref: Any, engine: int) -> tuple[list, int, Tag, float] | None:
+        """A sub-request's answer, or None: its engine died, restarted, or waited past
+        `rollout.weight_timeout_s` for the weights (a slow engine is slow, a lost push is pushed again)."""
         try:
             return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             log.warning("rollout engine %d failed (%s); its prompts go out again", engine, type(exc).__name__)
-            return None
+        except WeightsMissing as exc:
+            self.stats["rollout/weight_timeouts"] += 1
+            log.warning("rollout engine %d: %s", engine, str(exc).splitlines()[-1])
+        return None
 
     def _refresh(self, engine: int) -> bool:
-        """Push the current weights to `engine` (restarted: it waits for it); False when this controller cannot
-        gather them alone."""
-        import ray
-
-        if self.weights is None:
-            return False
+        """Make `engine` hold this controller's weights, waiting for it to be up (restarted): True when it holds
+        them already (the pusher refreshed it since) or this controller pushed them; False when it cannot
+        gather them alone (tp_size > 1) or the engine does not come back."""
         actor = self.engines[engine]
-        self._pids[engine] = _wait_until_up(actor)["pid"]
-        refs = [ray.put(list(bucket)) for bucket in self.weights()]
-        ray.get(actor.apply.remote(self.tag, *refs))
+        try:
+            info = _wait_until_up(actor)
+            if (
+                info["version"] >= self.tag
+            ):  # restarted, then given the weights: this controller learns its id
+                self._pids[engine] = info["pid"]
+                return True
+            if self.weights is None:
+                return False
+            self._pids[engine] = info["pid"]
+            refs = [ray.put(list(bucket)) for bucket in self.weights()]
+            ray.get(actor.apply.remote(self.tag, *refs), timeout=GROUP_TIMEOUT.total_seconds())
+        except (YattError, ray.exceptions.RayError) as exc:
+            log.warning("rollout engine %d could not be given the weights (%s)", engine, type(exc).__name__)
+            return False
+        self.stats["rollout/engine_refreshes"] += 1
         return True
 
     # ---- weight sync ------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One bucket of the new weights (the pusher only; other controllers skip it): into the object store
         for the engines on this node, through the broadcast group to the others."""
-        import ray
 
         if not self.pusher:
             return
@@ -472,7 +686,7 @@ class EnginePool:
         bucket = [(name, t.detach().cpu()) for name, t in named_tensors]
         if len(self._broadcast_members()) < len(self.engines):
             self._buckets.append(ray.put(bucket))  # once: every engine on the node reads the same object
-        if self._group_members:
+        if self._group_members and not self._push_failed:
             self._push_by_broadcast(bucket)
 
     def finish_weight_sync(self, version: int | None = None) -> None:
@@ -484,15 +698,20 @@ class EnginePool:
             return
         if not self._syncing:
             self._check_engines()
-        local = [e for i, e in enumerate(self.engines) if i not in self._group_members]
+        members = self._broadcast_members()
+        local = [e for i, e in enumerate(self.engines) if i not in members]
         self._applying = [e.apply.remote(self.tag, *self._buckets) for e in local]
-        if self._group_members:
-            _finish([self.engines[i] for i in self._group_members], self.tag)
-        self._buckets, self._syncing = [], False
+        if members and not self._push_failed:
+            try:
+                ray.get([self.engines[i].finish_weight_sync.remote(self.tag) for i in members])
+            except ray.exceptions.RayError as exc:
+                self._broadcast_failed(exc)
+        if self._push_failed:
+            self._push_again([self.engines[i] for i in members])
+        self._buckets, self._syncing, self._push_failed = [], False, False
 
     def wait_applied(self) -> None:
         """Until every engine applied the latest push (one that died meanwhile gets the next push instead)."""
-        import ray
 
         for call in self._applying:
             with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
@@ -501,20 +720,20 @@ class EnginePool:
 
     def _check_engines(self) -> None:
         """The previous push applied (an engine that died meanwhile restarts with the model directory's
-        weights and gets these); every engine up; a restarted member of the broadcast group means a new
-        group."""
+        weights and gets these); every engine up; a member of the broadcast group that restarted since the
+        group formed (whoever met it first) means a new group."""
         self.wait_applied()
         pids = [_wait_until_up(e)["pid"] for e in self.engines]
-        if self._group is not None and any(pids[i] != self._pids[i] for i in self._group_members):
+        if self._group is not None and any(
+            pids[i] != self._group_pids[k] for k, i in enumerate(self._group_members)
+        ):
             self._group = self._store = None  # formed again, with the restarted engines, on first use
         self._pids = pids
 
     def _broadcast_members(self) -> list[int]:
         """Engines that get weights through the broadcast group: those on other nodes (auto), all (broadcast)
-        or none (object_store); the group is formed on first use."""
-        if self._group is None and self.transport != "object_store":
-            import ray
-
+        or none (object_store); the group is formed on first use (not again within a push it failed)."""
+        if self._group is None and self.transport != "object_store" and not self._push_failed:
             here = ray.get_runtime_context().get_node_id()
             members = [
                 i for i, node in enumerate(self.nodes) if self.transport == "broadcast" or node != here
@@ -522,16 +741,47 @@ class EnginePool:
             if members:
                 self._group, self._store = _form_group([self.engines[i] for i in members])
             self._group_members = members
+            self._group_pids = [self._pids[i] for i in members]
         return self._group_members
 
     def _push_by_broadcast(self, bucket: Bucket) -> None:
-        import ray
-
+        """One bucket to the group's members. A member that dies meanwhile fails the broadcast: the group is
+        dropped (formed again at the next push) and the members get this push again (`_push_again`)."""
         meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
         refs = [self.engines[i].receive.remote(meta) for i in self._group_members]
-        for buffer in _flatten(bucket).values():
-            _broadcast(self._group, buffer)
-        ray.get(refs)
+        try:
+            for buffer in _flatten(bucket).values():
+                _broadcast(self._group, buffer)
+            ray.get(refs, timeout=GROUP_TIMEOUT.total_seconds())
+        except Exception as exc:  # noqa: BLE001  (gloo's errors are RuntimeErrors; Ray's, RayErrors)
+            self._broadcast_failed(exc)
+
+    def _broadcast_failed(self, exc: BaseException) -> None:
+        """A member of the broadcast group died during a push: drop the group (its other members' waits end as
+        its connections close); the rest of the push skips it and `finish_weight_sync` sends the push again."""
+        log.warning("weight broadcast to the rollout engines failed (%s); pushing again", type(exc).__name__)
+        self._push_failed = True
+        self._group = self._store = None
+        self.stats["rollout/failed_broadcasts"] += 1
+
+    def _push_again(self, members: list[Any]) -> None:
+        """The push the broadcast failed to finish, again, to each member up now that does not hold it: through
+        the object store with the weights gathered anew (tp_size 1), else told it missed the push (its requests
+        bounce and go elsewhere until the next push). A member still restarting gets it when met, or at the
+        next push."""
+        refs: list[Any] | None = None
+        for actor in members:
+            try:
+                info = ray.get(actor.info.remote(), timeout=60)
+            except ray.exceptions.RayError:
+                continue  # restarting: refreshed when a request meets it, and in the next push's new group
+            if info["version"] >= self.tag:
+                continue
+            if self.weights is None:
+                self._applying.append(actor.missed_push.remote(self.tag))
+                continue
+            refs = refs if refs is not None else [ray.put(list(b)) for b in self.weights()]
+            self._applying.append(actor.apply.remote(self.tag, *refs))
 
     # ---- the rest of the engine interface -----------------------------------------------------------------
     def take_stats(self) -> dict[str, float]:
@@ -582,29 +832,21 @@ def _sub_request(request: GenerateRequest, part: list[int]) -> GenerateRequest:
 def _wait_until_up(actor: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     """The engine actor's `info()`, once it answers (a restarting one: its model loaded again); YattError after
     `timeout_s`."""
-    import time
-
-    import ray
-
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return ray.get(actor.info.remote(), timeout=timeout_s)
-        except ray.exceptions.ActorUnavailableError:  # restarting: ask again shortly
+            return ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 1.0))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
             if time.monotonic() > deadline:
-                raise YattError(f"a rollout engine did not come back within {timeout_s:.0f} s") from None
-            time.sleep(0.2)
-
-
-def _finish(engines: list[Any], version: Tag) -> None:
-    import ray
-
-    ray.get([e.finish_weight_sync.remote(version) for e in engines])
+                raise YattError(
+                    f"a rollout engine did not come back within {timeout_s:.0f} s: see its actor's log "
+                    "(`ray logs`), or lower placement.rollout_engines"
+                ) from None
+            time.sleep(0.2)  # restarting: ask again shortly
 
 
 def _form_group(members: list[Any]) -> tuple[Any, Any]:
     """A gloo group: this process (rank 0, the store's host) and `members` (ranks 1..)."""
-    import ray
     import torch.distributed as dist
 
     host = ray.util.get_node_ip_address()
