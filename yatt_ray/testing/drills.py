@@ -149,6 +149,46 @@ def kill_engine_actor(rank_hint: int = 0) -> int:
     return _kill_actor("EngineActor", rank_hint)
 
 
+def engine_actors() -> list:
+    """Handles of the live rollout engine actors (`placement.rollout_engines`, named `yatt-engine-<run>-<i>`)."""
+    import ray
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("class_name", "=", "EngineActor"), ("state", "=", "ALIVE")], detail=True)
+    return [ray.get_actor(a.name, namespace=a.ray_namespace) for a in actors if a.name]
+
+
+def kill_engine_in_push(timeout_s: float = 600) -> int:
+    """SIGKILL a rollout engine actor while it receives a bucket of a broadcast weight push (polled through its
+    `info()`); returns its pid. RuntimeError when no push is seen within `timeout_s`."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for actor in engine_actors():
+            try:
+                info = ray.get(actor.info.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                continue  # restarting
+            if info["receiving"]:
+                os.kill(info["pid"], signal.SIGKILL)
+                return int(info["pid"])
+    raise RuntimeError(f"no rollout engine received a broadcast push within {timeout_s:.0f} s")
+
+
+def kill_engine_between_pushes(rank_hint: int = 0) -> int:
+    """SIGKILL a rollout engine actor that is not receiving a push; returns its pid."""
+    import ray
+
+    while True:
+        infos = ray.get([a.info.remote() for a in engine_actors()], timeout=60)
+        idle = sorted((i["pid"] for i in infos if not i["receiving"]), reverse=rank_hint > 0)
+        if idle:
+            os.kill(idle[0], signal.SIGKILL)
+            return int(idle[0])
+        time.sleep(0.05)
+
+
 def live_actor_pids(class_name: str, settle_s: float = 0.0) -> list[int]:
     """pids of the live actors of `class_name`, after waiting up to `settle_s` for any being killed to end
     (`ray.kill` returns before the process is gone)."""
