@@ -26,6 +26,15 @@ Last line:
     async: bound=<b> ratio_eta1=<x> ratio_eta2=<y> ratio_eta4=<z> vs_colocated_eta2=<w> reward_gap_eta2=<g>
 Targets (issue 26): eta=2 reaches >= 0.85 of the bound and >= 1.3x eta=0; vs colocated >= 0.9 expected on two
 cores; reward within 0.05 of the colocated run. Run it on an idle machine (`uptime`).
+
+    python release/bench_async.py --pool                # the engine pool: requests alone vs joined
+
+`--pool` (issue 52) runs the engine pool as a multi-controller run uses it instead: train.dp_size=2 (two
+controllers), two engine actors of 1 CPU each, rollout.max_staleness=2 (each controller has up to three
+steps' requests out), once with rollout.join_requests=false (each engine serves one request at a time, in
+arrival order: the engine actor before issue 52) and once with the default (the requests queued on an engine
+run as one engine call). Last line:
+    async_pool: tok_per_s_alone=<a> tok_per_s_joined=<b> ratio=<b/a> step_s_alone=<s> step_s_joined=<t>
 """
 
 from __future__ import annotations
@@ -66,8 +75,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--etas", default="0,1,2,4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_async")
+    p.add_argument("--pool", action="store_true", help="the engine pool: requests alone vs joined")
     p.add_argument("overrides", nargs="*", help="config keys for every run (key=value), e.g. rollout.n=4")
     args = p.parse_args(argv)
+    if args.pool:
+        return pool(args)
     etas = [int(e) for e in args.etas.split(",")]
     runs = {"colocated": run("colocated", args, "placement.mode=full", "cluster.cpus_per_worker=2")}
     for eta in etas:
@@ -100,6 +112,32 @@ def main(argv: list[str]) -> None:
         + " ".join(f"ratio_eta{eta}={ratio[eta]:.2f}" for eta in etas if eta)
         + f" vs_colocated_eta2={tps.get('eta=2', float('nan')) / tps['colocated']:.2f} "
         f"reward_gap_eta2={abs(reward.get('eta=2', float('nan')) - reward['colocated']):.3f}"
+    )
+
+
+def pool(args: argparse.Namespace) -> None:
+    """Two controllers, two engine actors, two steps ahead: each request alone vs the queued ones joined."""
+    common = ("train.dp_size=2", "placement.mode=disaggregated", "placement.rollout_engines=2",
+              "placement.cpus_per_engine=1", "cluster.cpus_per_worker=1", "rollout.max_staleness=2")  # fmt: skip
+    runs = {
+        "alone": run("pool_alone", args, *common, "rollout.join_requests=false"),
+        "joined": run("pool_joined", args, *common, "rollout.join_requests=true"),
+    }
+    rows = {name: measured(r, args.first) for name, r in runs.items()}
+    tps = {name: median(rs, "response_tokens_per_s") for name, rs in rows.items()}
+    step = {name: median(rs, "time/step") for name, rs in rows.items()}
+    print(
+        "\n| engine requests | completion tok/s | step s | trainer waits for samples s | queue max s | reward |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, rs in rows.items():
+        queue = max(r.get("rollout/engine_queue_s_max", 0.0) for r in rs)
+        reward = statistics.fmean(r["reward_mean"] for r in rs[-4:])
+        print(f"| {name} | {tps[name]:.1f} | {step[name]:.2f} | {median(rs, 'time/rollout'):.2f} | {queue:.2f} | "
+              f"{reward:.3f} |")  # fmt: skip
+    print(
+        f"async_pool: tok_per_s_alone={tps['alone']:.1f} tok_per_s_joined={tps['joined']:.1f} "
+        f"ratio={tps['joined'] / tps['alone']:.2f} step_s_alone={step['alone']:.2f} step_s_joined={step['joined']:.2f}"
     )
 
 

@@ -483,7 +483,7 @@ def run_yatt(
         ray.shutdown()
     wall = time.time() - launched
     history = [r for r in result.history if "time/step" in r]
-    resolved = _resolved_engine(engine, model_dir)
+    resolved = engine if engine != "auto" else f"auto->{result.rollout_engine or '?'}"  # measured on CPUs
     steps = [_yatt_row(r) for r in history]
     for row, ids in zip(steps, _prompt_ids(Path(result.output_dir), result.checkpoint_dir)):
         row["prompt_ids"] = ids
@@ -523,18 +523,6 @@ def _prompt_ids(output_dir: Path, checkpoint_dir: str) -> list[list[int]]:
         record = json.loads(path.read_text())
         by_step.setdefault(record["step"], []).append((record["dp_rank"], record["ids"]))
     return [[int(i) for _, ids in sorted(by_step[s]) for i in ids] for s in sorted(by_step)]
-
-
-def _resolved_engine(engine: str, model_dir: Path) -> str:
-    """The engine kind the run used: what `auto` resolves to for this model on CPU workers."""
-    if engine != "auto":
-        return engine
-    try:
-        from yatt_ray.rollout import resolve_engine_kind
-
-        return f"auto->{resolve_engine_kind('auto', str(model_dir), on_gpu=False)}"
-    except Exception:  # the helper moved: say what was asked
-        return "auto"
 
 
 # ---------------------------------------------------------------------------------------------- report

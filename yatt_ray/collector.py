@@ -26,8 +26,10 @@ import torch.distributed as dist
 from yatt_ray.algos import ADVANTAGE_ESTIMATORS, staleness_stats
 from yatt_ray.batch import Pixels, RolloutBatch, pack, prompt_images
 from yatt_ray.config import Config
+from yatt_ray.data.feed import describe_rejected
 from yatt_ray.data.images import ERROR as IMAGE_ERROR
 from yatt_ray.draws import Group, groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
+from yatt_ray.errors import DataError
 from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.model_dir import ImageLayout
@@ -171,6 +173,7 @@ class RolloutCollector:
         encoded = [self.prompts.encode(r.row) for r in rows]
         request = GenerateRequest([e.ids for e in encoded], self.sampling(), images=self.images(encoded))
         job = self.inflight[step] = InFlight(rows, encoded, self.engine.submit(request))
+        self.scorer.ahead.add(f"{self._ahead_key(step)}/")  # judged ahead: `genrm/ahead` until collected
         if self.streams_to_genrm:  # judged as they finish, while this process trains the steps before
             parts = dict(job.generation.pending)  # {ref: (engine, prompt indices)}, before `wait` takes them
             job.judging = threading.Thread(target=self._judge_ahead, args=(step, job, parts), daemon=True)
@@ -179,7 +182,8 @@ class RolloutCollector:
     def _judge_ahead(self, step: int, job: InFlight, parts: dict[Any, tuple[int, list[int]]]) -> None:
         """Stream each prompt of `job` to the GenRM as its engine returns it (a thread: the trainer meanwhile
         trains). Reads the engines' answers only: a failed or restarted engine's prompts are left to
-        `collect_started`, which sends them again and streams what this did not."""
+        `collect_started`, which sends them again and streams what this did not, and so is a prompt whose
+        send to the GenRM failed here (logged)."""
         import ray
 
         waiting = list(parts)
@@ -189,30 +193,47 @@ class RolloutCollector:
                 out = ray.get(ref)
             except Exception:  # noqa: BLE001  (an engine that died: collect_started sends the prompts again)
                 continue
-            if out is not None:
+            if isinstance(out, tuple):  # anything else: nothing to stream (a restarted engine, ...)
                 for i, completions in zip(parts[ref][1], out[0]):
-                    if completions is not None:
+                    if completions is None:
+                        continue
+                    try:
                         self._stream(step, job, i, completions)
+                    except Exception as exc:  # noqa: BLE001  (not marked sent: collect_started sends it)
+                        log.warning(
+                            "GenRM: prompt %d of step %d could not be sent ahead (%s: %s); it is sent when the "
+                            "step is collected", i, step, type(exc).__name__, exc,
+                        )  # fmt: skip
 
     def _stream(self, step: int, job: InFlight, i: int, completions: list) -> None:
-        """Prompt `i` of `job` to the GenRM, once."""
+        """Prompt `i` of `job` to the GenRM, once: marked sent only once the send succeeded (a failed
+        `submit` leaves none of its samples pending, so the prompt can be sent again)."""
         with self.streaming:
             if i not in job.streamed:
-                job.streamed.add(i)
                 self.scorer.submit(self._ahead_samples(step, job, i, completions))
+                job.streamed.add(i)
+
+    def _ahead_key(self, step: int) -> str:
+        """The key prefix of step `step`'s samples generated ahead (`<key>/<sample index>`)."""
+        return f"{step}/{self.dp_rank}/a"
 
     def _ahead_samples(self, step: int, job: InFlight, i: int, completions: list) -> list[Sample]:
-        return self._samples(f"{step}/{self.dp_rank}/a", i, job.rows[i].row, job.encoded[i].text, completions)
+        return self._samples(self._ahead_key(step), i, job.rows[i].row, job.encoded[i].text, completions)
 
     def collect_started(self, step: int) -> RolloutBatch:
         """The batch of a step started earlier (or now: a run's first step, the first after a resume): wait for
         its samples (each prompt's streamed to the GenRM as it returns), score, consume, pack. Each sample's
         staleness, the trainer's weight version less the version that generated it, is at most
-        `rollout.max_staleness` by construction (`GroupController` starts step s + eta before training step
-        s); a prompt past the bound (an engine that ran late) is generated again now and counted
-        (`async/aged_out`), never dropped."""
+        K = `rollout.max_staleness` by construction, so nothing is generated again here: `GroupController`
+        starts step s + K after collecting step s, K weight pushes before training it, with the weight
+        version the controller holds then; an engine never runs a request on weights older than the version
+        it asks for (`EngineActor.generate` waits for them), so a request that waited on a busy engine, or
+        was resent after an engine died, runs on newer weights, not older. `async/staleness_max` reports it.
+        The samples it streamed to the GenRM before this call count in `genrm/ahead` until now, then in
+        `genrm/held` until scored or discarded (0 once the batch is packed)."""
         self.start(step)
         job = self.inflight.pop(step)
+        self.scorer.ahead.discard(f"{self._ahead_key(step)}/")  # this step's now: scored or discarded below
         self.step_rows, streamed = [], job.streamed
 
         def samples(i: int, completions: list) -> list[Sample]:
@@ -226,17 +247,7 @@ class RolloutCollector:
             outs = complete(self.engine.wait(job.generation, finished))
             if job.judging is not None:  # it read the same answers: done, or about to be
                 job.judging.join()
-            ages = [self.engine.age(v) for v in job.generation.versions]
-            aged = [i for i, age in enumerate(ages) if age > self.config.rollout.max_staleness]
-            if aged:  # generated again now, with the trainer's weights
-                self.scorer.discard([s for i in aged if i in streamed for s in samples(i, outs[i])])
-                streamed -= set(aged)
-                encoded = [job.encoded[i] for i in aged]
-                redo = GenerateRequest([e.ids for e in encoded], self.sampling(), images=self.images(encoded))
-                generation = self.engine.submit(redo)
-                again = complete(self.engine.wait(generation, lambda k, c: finished(aged[k], c)))
-                for k, i in enumerate(aged):
-                    outs[i], ages[i] = again[k], self.engine.age(generation.versions[k])
+        ages = [self.engine.age(v) for v in job.generation.versions]  # <= K (docstring)
         groups = [
             Group(job.rows[i], job.encoded[i].ids, job.encoded[i].clipped, outs[i], samples(i, outs[i]),
                   streamed=i in streamed, pixels=job.encoded[i].pixels)
@@ -248,7 +259,6 @@ class RolloutCollector:
         batch.counters.update({
             "async/staleness_mean": sum(ages) / max(len(ages), 1),
             "async/staleness_max": float(max(ages, default=0)),
-            "async/aged_out": float(len(aged)),
             "async/inflight_steps": float(len(self.inflight)),
             **self._version_counters(outs, ages),
         })  # fmt: skip
@@ -331,13 +341,23 @@ class RolloutCollector:
             counts["aborted"] += len(aborted)
 
     def _drain_rejected(self) -> int:
-        """Rows whose images did not load (data.on_bad_image=skip), consumed by the feed as it read them: logged
-        with their ids, recorded as this step's, counted (the `data/bad_images` metric)."""
+        """Rows whose images did not load (data.on_bad_image=skip), consumed by the feed as it read them (and
+        warned about then, `_report_skips`): recorded as this step's, counted (the `data/bad_images` metric)."""
         rows, self.feed.rejected = self.feed.rejected, []
-        for r in rows:
-            log.warning("prompt id %r skipped: %s", r.id, r.row[IMAGE_ERROR])
         self.step_rows += rows
         return len(rows)
+
+    def _report_skips(self, rows: list) -> None:
+        """Warn about rows rejected by a read as it happens: one line each, or one line for a read that
+        rejected more than a few."""
+        if len(rows) <= 3:
+            for r in rows:
+                log.warning("prompt id %r skipped: %s", r.id, r.row[IMAGE_ERROR])
+        elif rows:
+            log.warning(
+                "%d prompts skipped, their images (column data.image_key=%r) did not load: %s (and %d more)",
+                len(rows), self.config.data.image_key, describe_rejected(rows, limit=3), len(rows) - 3,
+            )  # fmt: skip
 
     def _take(self, groups: list[Group], kept: list[Group], dropped: list[Group]) -> None:
         """Score `groups`, consume their prompts, and keep the informative ones (all without dynamic sampling)."""
@@ -351,14 +371,80 @@ class RolloutCollector:
 
     def _lockstep(self, want: int, need: int) -> bool:
         """Every controller reads the same number of rows from its stream (the most any needs beyond its queue)
-        and learns whether any group still needs prompts; collective over the controllers."""
-        while True:  # more than one round only where a resumed epoch reads past consumed rows
-            wanted = torch.tensor([max(want - len(self.feed.queue), 0), need], dtype=torch.float64)
-            if self.dp_size > 1:
-                dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.dp_group)
-            if wanted[0].item() == 0:
-                return wanted[1].item() > 0
-            self.feed.pull(int(wanted[0].item()))
+        and learns whether any group still needs prompts; collective over the controllers.
+
+        More than one round only where a read yields fewer usable rows than it read: a resumed epoch's
+        consumed rows, rows whose images did not load (warned about as they are read). Every round all
+        controllers share their state and take the same decision, so none waits in a collective the others
+        left: a DataError when an epoch's rows were all rejected, or some group's stream rejected more than
+        `data.max_rejected_in_a_row` rows one after another; `StopRequested` when the run was asked to stop
+        (SIGTERM, Ctrl-C) while this waits for usable rows (no step under way)."""
+        from yatt_ray import run_control
+
+        feed, rounds = self.feed, 0
+        while True:
+            short = max(want - len(feed.queue), 0)
+            stop = run_control.stop_request() if rounds and short else None  # polled only while waiting
+            done = feed.finished
+            state = torch.tensor(
+                [short, need, stop is not None, feed.longest_rejected_run,
+                 -1 if done is None else done.epoch, 0 if done is None else done.usable,
+                 0 if done is None else done.rejected],
+                dtype=torch.float64,
+            )  # fmt: skip
+            views = self._gather(state)  # [controllers, 7]: the same on every controller
+            self._check_rejected(views)
+            rows = int(views[:, 0].max().item())
+            if rows == 0:
+                return bool(views[:, 1].max().item() > 0)
+            if views[:, 2].max().item() > 0:
+                raise run_control.StopRequested(
+                    f"the run was asked to stop ({stop or 'by another group'}) while waiting for usable prompt "
+                    "rows, with no step under way; it ends without a further checkpoint"
+                )
+            before = len(feed.rejected)
+            feed.pull(rows)
+            self._report_skips(feed.rejected[before:])
+            rounds += 1
+
+    def _gather(self, state: torch.Tensor) -> torch.Tensor:
+        """Every controller's `state`, stacked in data-parallel rank order (collective over the controllers)."""
+        if self.dp_size == 1:
+            return state[None]
+        views = [torch.empty_like(state) for _ in range(self.dp_size)]
+        dist.all_gather(views, state, group=self.dp_group)
+        return torch.stack(views)
+
+    def _check_rejected(self, views: torch.Tensor) -> None:
+        """DataError when the last epoch every controller read to its end had only rejected rows, or some
+        controller's stream rejected more than `data.max_rejected_in_a_row` rows one after another (at any
+        time since it started: a run of them inside one read counts too); naming the image column and a few
+        rejected ids (of every controller: collective, taken by all or none)."""
+        d = self.config.data
+        bound = d.max_rejected_in_a_row
+        streak = int(views[:, 3].max().item())
+        epochs = views[:, 4]
+        same = bool(epochs[0] >= 0 and (epochs == epochs[0]).all())  # every controller finished that epoch
+        whole = same and views[:, 5].sum().item() == 0 and views[:, 6].sum().item() > 0
+        if not whole and (bound is None or streak <= bound):
+            return
+        mine = [(r.id, str(r.row[IMAGE_ERROR])) for r in self.feed.recent_rejected]
+        if self.dp_size > 1:
+            every: list = [None] * self.dp_size
+            dist.all_gather_object(every, mine, group=self.dp_group)
+            mine = [pair for pairs in every for pair in pairs]
+        what = (
+            f"all {int(views[:, 6].sum().item())} rows of epoch {int(epochs[0].item())} were rejected"
+            if whole
+            else f"a group's stream rejected {streak} rows one after another, more than "
+            f"data.max_rejected_in_a_row={bound}"
+        )
+        raise DataError(
+            f"{what}: their images (column data.image_key={d.image_key!r}) did not load. For example "
+            f"{describe_rejected(mine)}. Fix the image paths in that column (a relative path resolves in the Ray "
+            "Data worker that decodes it: give absolute paths or URLs) or data.image_key, or drop the rows"
+            + ("" if whole else "; or raise data.max_rejected_in_a_row (null: no bound)")
+        )
 
     def _generate(self, step: int, draw: int, rows: list, need: int) -> tuple[list[Group], list]:
         """Start `rows`; the engine aborts the rest once `need` have finished, and the prompts aborted

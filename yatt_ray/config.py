@@ -96,6 +96,11 @@ class DataConfig(_Section):
     # entries (verl's layout); the prompt holds one <image> placeholder per image
     image_key: str = "images"
     on_bad_image: BadImagePolicy = "skip"  # skip: counted (data/bad_images), warned, consumed; raise: stop
+    # on_bad_image=skip: the run stops (DataError naming the column and a few rejected ids) once a group's
+    # stream rejected more than this many rows one after another, with no usable row between them (a wrong
+    # image folder, paths relative to another machine), or once every row of an epoch was rejected, whatever
+    # this bound; null: no bound (a whole epoch rejected still stops it); 0: the first rejected row stops it
+    max_rejected_in_a_row: int | None = 1000
     # image limits. Qwen2-VL / 2.5-VL: each image is resized (aspect kept, sides multiples of 28 px) so that
     # min_pixels <= H x W <= max_pixels, one token per 28 x 28 px (null: the model directory's
     # preprocessor_config.json). LLaVA resizes every image to its tower's size, so these do not apply to it.
@@ -114,7 +119,7 @@ class RolloutConfig(_Section):
     max_new_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
-    weight_sync_bucket_mb: int = 64
+    weight_sync_bucket_mb: float = 64  # MiB a bucket of a weight push (a larger tensor: a bucket of its own)
     # engine actors (placement.rollout_engines): how weights reach them; auto = the object store on the
     # pusher's node, a broadcast group (gloo / NCCL) to other nodes
     weight_transport: WeightTransport = "auto"
@@ -137,6 +142,14 @@ class RolloutConfig(_Section):
     # so two runs with one seed produce the same samples, asynchronous ones included; costs up to max_staleness
     # pushes kept in each engine's host memory and the load balance between engines
     ordered: bool = False
+    # engine actors: how long a request waits for the weight version it asks for while no engine holds or
+    # keeps it (seconds); time queued behind other requests on a busy engine does not count. Past it the
+    # controller pushes the weights to that engine itself (train.tp_size=1) or sends the prompts elsewhere
+    weight_timeout_s: float = 600.0
+    # engine actors: the requests queued on an engine (from every controller, K steps ahead) run together in
+    # one engine call when their sampling matches and none aborts its long tail (rollout.over_sample); false:
+    # one call a request, in arrival order (as rollout.ordered does)
+    join_requests: bool = True
 
 
 @dataclass
@@ -240,8 +253,11 @@ class AlgoConfig(_Section):
     lam: float = 1.0  # GAE lambda
     tis_cap: float | None = 2.0  # truncated importance sampling for rollout/trainer mismatch; None disables
     # off-policy correction (yatt_ray/algos/off_policy.py): none = the truncated IS above, as always; tis = the same
-    # weight (needs tis_cap); mis = weight inside [is_band_low, is_band_high], tokens outside masked; icepop = the
-    # band mask alone; decoupled = AReaL's decoupled PPO (clip against old_logp, weight min(rho, tis_cap))
+    # weight (needs tis_cap); mis = weight inside [is_band_low, is_band_high], tokens outside masked: this is
+    # IcePop as published (Ring-1T), which keeps the ratio in the band; icepop = the band mask alone (weight 1
+    # inside, no reweighting: token-level rejection sampling, not the published IcePop); decoupled = AReaL's
+    # decoupled PPO (clip against old_logp) with the weight truncated to min(rho, tis_cap), where AReaL drops
+    # the tokens above its cap (weight 0)
     off_policy: OffPolicy = "none"
     # mis / icepop: tokens whose ratio pi_old / pi_rollout leaves [is_band_low, is_band_high] are masked
     is_band_low: float = 0.5
@@ -599,6 +615,9 @@ def _data_errors(d: DataConfig) -> list[str]:
         (low is None or high is None or low <= high,
          f"data.min_pixels={low} is above data.max_pixels={high}; swap them or raise max_pixels"),
         (d.max_images is None or d.max_images >= 1, f"data.max_images={d.max_images} must be >= 1, or null"),
+        (d.max_rejected_in_a_row is None or d.max_rejected_in_a_row >= 0,
+         f"data.max_rejected_in_a_row={d.max_rejected_in_a_row} must be >= 0 (rows rejected one after another "
+         "before the run stops), or null: no bound"),
     ])  # fmt: skip
 
 
@@ -614,6 +633,8 @@ def _rollout_errors(r: RolloutConfig) -> list[str]:
         (r.max_aborts is None or r.max_aborts >= 1,
          f"rollout.max_aborts={r.max_aborts} must be >= 1 (or null: never wait for an aborted prompt)"),
         (r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = synchronous)"),
+        (r.weight_timeout_s > 0,
+         f"rollout.weight_timeout_s={r.weight_timeout_s} must be > 0 (seconds a request waits for missing weights)"),
     ])  # fmt: skip
 
 

@@ -418,7 +418,7 @@ class GroupController:
         """Trainer -> engine, in buckets; non-controller ranks join the TP gather only. In-process engines take
         them in memory. Engine actors (`rollout/pool.py`) get them from group 0 alone, which sends them before
         any controller asks for the new version (the engines apply them between requests)."""
-        bucket_bytes = self.config.rollout.weight_sync_bucket_mb * 2**20
+        bucket_bytes = int(self.config.rollout.weight_sync_bucket_mb * 2**20)
         engine = None if self.collector is None else self.collector.engine
         pooled = self.config.placement.rollout_engines > 0
         if not pooled or self.layout.dp_rank == 0:

@@ -32,6 +32,7 @@ class Result:
     output_dir: str = ""
     checkpoint_dir: str = ""  # the run's checkpoints (`checkpoint.dir`)
     steps_redone: int = 0  # training steps run again after restarts from a checkpoint
+    rollout_engine: str = ""  # the engine the run generated with ("vllm" / "hf": rollout.engine resolved)
     stopped: str | None = (
         None  # why the run saved and stopped before train.steps ("SIGTERM", "SIGINT"), else None
     )
@@ -56,7 +57,17 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     quiet_driver(config.output.verbose)
     _prepare_inputs(config)
     files = _check_inputs(config)
+    _check_local_placement(config)  # a local cluster's plan: refused before Ray starts and before a folder
     output_dir = _output_dir(config)
+    try:
+        return _start(config, files, output_dir, startup)
+    except BaseException:
+        _remove_if_empty(output_dir)  # a run refused before it wrote anything leaves no empty folder behind
+        raise
+
+
+def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startup) -> Result:
+    """Check the checkpoints, connect to Ray, plan, resolve the engine, freeze the config, and run."""
     print(_check_checkpoints(config, output_dir), flush=True)
     startup.mark("inputs_checked")
     connect(config)
@@ -68,10 +79,10 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
 
     plan = plan_placement(config, ray.cluster_resources(), _model_sizes(config))
     real_gpus = _gpus_are_real(plan, config.cluster.timeout_s)
-    _resolve_engine(config, real_gpus)
+    engine = _resolve_engine(config, plan, real_gpus)  # on CPUs "auto" may time both engines (cached)
     validate(config)  # the resolved config (paths, demo inputs, engine, checkpoint dir) is valid too ...
     config.freeze()  # ... and from here on read-only: the workers and GenRM replicas get exactly this
-    print(plan.describe() + f"\n  rollout engine: {config.rollout.engine}", flush=True)
+    print(plan.describe() + f"\n  rollout engine: {engine}", flush=True)
     if not real_gpus:
         print("  " + _kernels(config, plan.cpus_per_worker), flush=True)
     startup.mark("kernels_chosen")
@@ -135,6 +146,8 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
 
     shape = LlamaShape.from_hf_dir(config.model.path)
     images = is_vision_model(config.model.path)
+    for warning in unused_keys(config, images):
+        log.warning("%s", warning)
     limits = {"min_pixels": config.data.min_pixels, "max_pixels": config.data.max_pixels}
     if images and shape.mrope_section is None and any(v is not None for v in limits.values()):
         raise ConfigError(
@@ -174,8 +187,48 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     return files
 
 
+def unused_keys(config: Config, images: bool) -> list[str]:
+    """One line for each key set to something that does nothing in this run: `rollout.ordered` and
+    `rollout.weight_transport` without engine actors, the image keys with a text policy (`images` false)."""
+    r, d, out = config.rollout, config.data, []
+    if not config.placement.rollout_engines:
+        if r.ordered:
+            out.append(
+                "rollout.ordered=true has no effect: it orders requests on engine actors, and "
+                "placement.rollout_engines=0 keeps each controller's engine in its own process; drop it, or set "
+                "placement.mode=disaggregated placement.rollout_engines>=1"
+            )
+        if r.weight_transport != "auto":
+            out.append(
+                f"rollout.weight_transport={r.weight_transport} has no effect: it carries weights to engine actors, "
+                "and with placement.rollout_engines=0 each engine takes them in memory from its trainer; drop it, "
+                "or set placement.mode=disaggregated placement.rollout_engines>=1"
+            )
+    if not images:
+        limits = {"min_pixels": d.min_pixels, "max_pixels": d.max_pixels, "max_images": d.max_images}
+        for key, value in limits.items():
+            if value is not None:
+                out.append(
+                    f"data.{key}={value} has no effect: model.path={config.model.path!r} is a text model, which "
+                    "reads no images; drop it, or point model.path at a vision-language model"
+                )
+        if d.on_bad_image != "skip":
+            out.append(
+                f"data.on_bad_image={d.on_bad_image} has no effect: model.path={config.model.path!r} is a text "
+                "model, which reads no images; drop it"
+            )
+    return out
+
+
+# files a Hugging Face judge directory needs beside config.json: its weights and its tokenizer
+JUDGE_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+JUDGE_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _check_judge(config: Config) -> None:
-    """The GenRM judge must be a Hugging Face directory whose heads split over its accelerators."""
+    """The GenRM judge must be a Hugging Face directory (a config.json that names its `model_type`, weights, a
+    tokenizer) whose heads split over its accelerators: checked here, since the replicas that load it fail in
+    Ray Serve with a message that names no key."""
     import json
 
     g = config.reward.genrm
@@ -186,7 +239,32 @@ def _check_judge(config: Config) -> None:
             "Face model directory (config.json). Point it at one, or use reward.mode=rule"
         )
     g.path = str(path.resolve())
-    heads = json.loads((path / "config.json").read_text()).get("num_attention_heads", 1)
+    where = f"reward.genrm.path={g.path!r}"
+    fix = (
+        "point reward.genrm.path at a Hugging Face model directory (the judge saved with save_pretrained: "
+        "config.json, its weights and its tokenizer), or use reward.mode=rule"
+    )
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{where}: its config.json is not valid JSON ({exc}); {fix}") from exc
+    if not isinstance(hf_config, dict):
+        kind = type(hf_config).__name__
+        raise ConfigError(f"{where}: its config.json holds a {kind}, not a mapping; {fix}")
+    if not hf_config.get("model_type"):
+        raise ConfigError(
+            f"{where}: its config.json has no 'model_type' key (keys: {sorted(hf_config) or 'none'}), so no "
+            f"engine can tell which model the judge is; {fix}"
+        )
+    wanted = {"weights": JUDGE_WEIGHTS, "tokenizer": JUDGE_TOKENIZER}
+    missing = [
+        f"no {what} (none of {', '.join(patterns)})"
+        for what, patterns in wanted.items()
+        if not any(next(path.glob(p), None) is not None for p in patterns)
+    ]
+    if missing:
+        raise ConfigError(f"{where} holds {' and '.join(missing)}, which the GenRM replicas load; {fix}")
+    heads = hf_config.get("num_attention_heads", 1)
     if heads % g.accelerators_per_replica:
         raise ConfigError(
             f"reward.genrm.accelerators_per_replica={g.accelerators_per_replica} does not divide the judge's "
@@ -257,23 +335,42 @@ def _probe_gpus(plan, timeout_s: float) -> bool:
     return real
 
 
-def _resolve_engine(config: Config, on_gpu: bool) -> None:
-    """Decide "auto" once, on the driver, so every controller builds the same kind of engine.
+def _resolve_engine(config: Config, plan, on_gpu: bool) -> str:
+    """Decide "auto" once, on the driver, so every controller and engine actor builds the same kind of engine
+    (none measures again); returns the line the plan prints.
 
-    vLLM when installed (on CPU workers: when its CPU attention supports the model's head size), except
-    with tensor parallelism: only the controller rank hosts the engine, and vLLM creates its process
-    groups collectively over every rank of the trainer's world, so the Hugging Face engine serves there.
+    On GPUs vLLM when installed; on CPU workers, where both engines can serve the model, the faster of the two
+    timed at the run's rollout shape on this machine (`rollout.engine_choice`, cached per machine, model and
+    shape), with the engine's threads: a controller's (the kernels' choice beside its trainer) or an engine
+    actor's CPUs. With tensor parallelism the Hugging Face engine: only the controller rank hosts the engine,
+    and vLLM creates its process groups collectively over every rank of the trainer's world. An explicit
+    kind is only checked (installed, and the CPU engine can run the model).
     """
-    from yatt_ray.rollout import resolve_engine_kind
+    from yatt_ray.rollout import auto_engine, resolve_engine_kind
+    from yatt_ray.rollout.engine_choice import RolloutShape
 
-    if config.rollout.engine != "auto":  # checked: installed, and the CPU engine can run the model
+    if config.rollout.engine != "auto":
         resolve_engine_kind(config.rollout.engine, config.model.path, on_gpu=on_gpu)
-        return
+        return f"{config.rollout.engine} (rollout.engine={config.rollout.engine})"
     if config.train.tp_size > 1:
         config.rollout.engine = "hf"
         log.warning("rollout.engine=auto -> hf: the colocated vLLM engine needs train.tp_size=1")
-        return
-    config.rollout.engine = resolve_engine_kind("auto", config.model.path, on_gpu=on_gpu)
+        return "hf (auto: the colocated vLLM engine needs train.tp_size=1)"
+    shape = None
+    if not on_gpu:
+        from yatt_ray.roles import engine_kwargs
+        from yatt_ray.train.kernels import kernels_for
+
+        if plan.engines is not None:
+            threads = plan.engines.cpus  # an engine actor's torch threads (`rollout.pool.EngineActor`)
+        else:  # beside the trainer: the worker's threads as the kernels set them (measured, cached for them)
+            kernels = kernels_for(config.model.path, plan.cpus_per_worker, config.train.dtype)
+            threads = kernels.threads if kernels is not None else plan.cpus_per_worker
+        shape = RolloutShape.of_run(config, plan, threads)
+    kwargs = engine_kwargs(config, config.train.seed) if shape is not None else None
+    choice = auto_engine(config.model.path, on_gpu, shape, kwargs)
+    config.rollout.engine = choice.kind  # type: ignore[assignment]
+    return choice.describe()
 
 
 def _check_checkpoints(config: Config, output_dir: Path) -> str:
@@ -310,7 +407,7 @@ def _follow(
     import ray
 
     from yatt_ray.progress import DriverProgress
-    from yatt_ray.run_control import StopOnSignal, abort_training
+    from yatt_ray.run_control import StopOnSignal, StopRequested, abort_training
 
     if plan.genrm is not None:  # Ray Serve's import (~0.5 s of CPU while the workers start) only with a judge
         from yatt_ray.reward.service import deploy_genrm, shutdown_genrm
@@ -357,18 +454,25 @@ def _follow(
             log.warning("%d steps were redone after a restart; the metrics keep their last version", redone)
         progress.close()  # metrics so far are flushed and plotted even when the run fails
     fatal = ray.get(control.fatal.remote(), timeout=config.cluster.timeout_s)
+    stopped = signals.reason
+    if isinstance(fatal, StopRequested):  # the stop met the workers waiting for prompt rows: a stop, no error
+        log.warning("%s", fatal)
+        stopped = stopped or ray.get(control.stop_requested.remote(), timeout=config.cluster.timeout_s)
+        outcome.pop("error", None)  # the attempt it ended failed on purpose (max_failures=0: the trainer too)
+        fatal = None
     if fatal is not None:  # a deterministic error in a worker: raised once, with its type, never retried
         raise type(fatal)(f"{fatal} (raised in a training worker)")
     if "error" in outcome:
         raise _worker_error(outcome["error"]) from outcome["error"]
-    checkpoint = outcome["result"].checkpoint
+    checkpoint = outcome["result"].checkpoint if "result" in outcome else None
     return Result(
         history=progress.history,
         checkpoint_path=os.path.join(checkpoint.path, "policy_hf") if checkpoint else None,
         output_dir=str(output_dir),
         checkpoint_dir=config.checkpoint.dir,
         steps_redone=redone,
-        stopped=signals.reason,
+        rollout_engine=config.rollout.engine,
+        stopped=stopped,
     )
 
 
@@ -392,6 +496,8 @@ def _start_engines(config: Config, plan):
         engine_kwargs(config, config.train.seed),
         config.rollout.weight_transport,
         config.rollout.ordered,
+        config.rollout.weight_timeout_s,
+        config.rollout.join_requests,
     )
 
 
@@ -495,6 +601,53 @@ def _worker_error(exc: BaseException) -> YattError:
         inner += [getattr(e, "_base_exc", None), getattr(e, "cause", None), e.__cause__, e.__context__]
         todo += [x for x in inner if isinstance(x, BaseException)]
     return WorkerError(f"training failed in a worker: {exc}")
+
+
+def _check_local_placement(config: Config) -> None:
+    """Where this call will start a local cluster (no `cluster.address`, no RAY_ADDRESS, Ray not connected), the
+    cluster's size is known before it starts: the CPUs `cluster.connect` will declare and the GPUs Ray will
+    detect. The placement plan is checked against them here, so a plan that cannot fit (e.g.
+    placement.rollout_engines=64 on two cores) is refused before Ray starts and before the run folder exists;
+    `fit` checks it again on the cluster itself. Nothing is checked when the GPUs cannot be counted."""
+    import ray
+
+    from yatt_ray.cluster import _logical_cpus_needed, local_cores, resolve_cpus_per_worker
+    from yatt_ray.placement import plan_placement
+
+    if ray.is_initialized() or config.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return
+    gpus = _local_gpus()
+    if gpus is None:
+        return
+    trial = copy.deepcopy(config)  # as connect() resolves it, leaving the run's config to connect()
+    resolve_cpus_per_worker(trial, local=True)
+    cores = local_cores()
+    cpus = max(cores, min(_logical_cpus_needed(trial), 4 * cores))  # what connect() declares
+    plan_placement(trial, {"CPU": float(cpus), "GPU": float(gpus)})
+
+
+def _local_gpus() -> int | None:
+    """The GPUs a local Ray cluster started by this process will have (Ray's own count: the node's GPUs, at
+    most those CUDA_VISIBLE_DEVICES shows), or None where Ray cannot say."""
+    try:
+        from ray._private import accelerators
+
+        manager = accelerators.get_accelerator_manager_for_resource("GPU")
+        if manager is None:
+            return 0
+        count = int(manager.get_current_node_num_accelerators())
+        visible = manager.get_current_process_visible_accelerator_ids()
+        return min(count, len(visible)) if visible is not None else count
+    except Exception:  # noqa: BLE001  (another Ray: the check on the cluster itself still runs)
+        return None
+
+
+def _remove_if_empty(path: Path) -> None:
+    """Remove the run folder `path` when it holds no file (only folders made on the way, if any)."""
+    import shutil
+
+    if path.is_dir() and not any(p.is_file() or p.is_symlink() for p in path.rglob("*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _output_dir(config: Config) -> Path:

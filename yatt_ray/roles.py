@@ -177,7 +177,7 @@ def start_engine(config: Config, layout: Layout, policy: Any = None, pool: Any =
         return make_engine(kind, config.model.path, **engine_kwargs(config, seed))
     from yatt_ray.rollout.pool import EnginePool
 
-    bucket_bytes = config.rollout.weight_sync_bucket_mb * 2**20
+    bucket_bytes = int(config.rollout.weight_sync_bucket_mb * 2**20)
     weights = None
     if config.train.tp_size == 1 and policy is not None:
         weights = lambda: policy.iter_hf_buckets(bucket_bytes)  # noqa: E731

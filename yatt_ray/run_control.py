@@ -3,7 +3,9 @@ and the signals that ask for it (SIGTERM, Ctrl-C).
 
 `RunControl` lives in a small Ray actor started by the driver (`RunActor`, with the `MetricsHub`). The driver
 (on SIGTERM) or anyone holding the handle (a preemption watcher) calls ``request_stop``; the workers poll
-``stop_requested`` once per step, save a checkpoint and leave cleanly. A worker that fails with the library's
+``stop_requested`` once per step, save a checkpoint and leave cleanly; a loop that waits with no step under
+way (the controllers reading past rejected prompt rows) polls it too (`stop_request`) and ends the attempt
+(`StopRequested`, which `fit` reports as a stop, not an error). A worker that fails with the library's
 own error (bad data, bad config) records it; such an error is deterministic (retrying cannot fix it), so the
 attempt Ray Train starts after it ends at once without building anything, and the driver raises the recorded
 error with its type and message.
@@ -18,6 +20,7 @@ import threading
 from collections.abc import Callable
 
 from yatt_ray.checkpoint.schedule import PreemptionFlag
+from yatt_ray.errors import YattError
 from yatt_ray.metrics.hub import MetricsHub
 
 log = logging.getLogger(__name__)
@@ -32,20 +35,51 @@ def start_run_actor():
 
 def run_guarded(control, train: Callable[[], None]) -> None:
     """Run `train`; a `YattError` is recorded on `control`, and an attempt that starts after one returns at
-    once (no retry of a deterministic error; the driver raises it)."""
+    once (no retry of a deterministic error; the driver raises it, or returns for a `StopRequested`). While
+    `train` runs, `stop_request()` in this process asks `control`."""
     import ray
 
-    from yatt_ray.errors import YattError
-
+    global _worker_control
     fatal = ray.get(control.fatal.remote(), timeout=60) if control is not None else None
     if fatal is not None:
         return
+    _worker_control, _polled[:] = control, [0.0, None]
     try:
         train()
     except YattError as exc:
         if control is not None:
             ray.get(control.record_fatal.remote(exc), timeout=60)
         raise
+    finally:
+        _worker_control = None
+
+
+class StopRequested(YattError):
+    """A stop request (SIGTERM, Ctrl-C) met a worker with no step under way (waiting for usable prompt rows):
+    the attempt ends at once, without a further checkpoint, and `fit` returns (`Result.stopped`) rather than
+    raising it."""
+
+
+STOP_POLL_S = 1.0  # a worker's waiting loop asks the run actor about a stop request at most this often
+_worker_control = None  # the run's RunActor, in a training worker while `run_guarded` runs its function
+_polled: list = [0.0, None]  # [when the run actor was last asked, its answer]
+
+
+def stop_request() -> str | None:
+    """The run's stop request (its reason) as seen from a training worker, else None (also outside one):
+    asked of the run actor at most every STOP_POLL_S seconds, the answer kept in between. For loops that
+    wait with no step under way; a step polls through the checkpoints (`TrainingCheckpoints.after_step`)."""
+    import time
+
+    control = _worker_control
+    if control is None:
+        return None
+    now = time.monotonic()
+    if _polled[1] is None and now - _polled[0] >= STOP_POLL_S:
+        import ray
+
+        _polled[:] = [now, ray.get(control.stop_requested.remote(), timeout=60)]
+    return _polled[1]
 
 
 class RunControl:

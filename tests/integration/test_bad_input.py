@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -97,3 +99,73 @@ def test_a_reward_that_raises_mid_run_stops_once_with_its_type(tmp_path, ray_clu
     assert raised.read_text().count("raised") == 1  # the attempt after it did not train into it again
     # the run's actor (metrics hub and run control) ended with the run, though `info`'s traceback holds its handle
     assert not live_actor_pids("RunActor", settle_s=10), "the run left its RunActor alive"
+
+
+@pytest.fixture(scope="module")
+def images_nowhere(ray_cluster, tmp_path_factory):
+    """A tiny LLaVA and 32 visual problems whose images all point nowhere: a parquet file in verl's layout
+    ([{"path": ...}]) and a jsonl file of bare path strings."""
+    import json
+
+    from yatt_ray.models.tiny_vlm import build_tiny_vlm
+    from yatt_ray.tasks import visual
+
+    tmp = tmp_path_factory.mktemp("nowhere")
+    model = build_tiny_vlm(tmp / "vlm")
+    rows = visual.make_problems(32, seed=5)
+    for r in rows:
+        r["images"] = [{"path": str(tmp / "gone" / f"{r['id']}.png")}]
+    parquet = visual.write_rows(rows, tmp / "train.parquet")
+    jsonl = tmp / "train.jsonl"
+    jsonl.write_text("".join(json.dumps({**r, "images": [r["images"][0]["path"]]}) + "\n" for r in rows))
+    return str(model), parquet, str(jsonl)
+
+
+def vision_config(tmp_path, model: str, data: str, *over: str):
+    return yatt_ray.load_config(
+        "examples/configs/grpo_vision.yaml",
+        [f"model.path={model}", f"data.train_files=[{data}]", "data.eval_files=[]", f"output.dir={tmp_path}/run",
+         "output.progress=false", "output.tensorboard=false", "output.plot=false", "rollout.engine=hf",
+         "train.dp_size=1", "train.prompts_per_step=4", "rollout.n=2", "train.steps=2", *over],
+    )  # fmt: skip
+
+
+def test_a_vision_run_whose_images_all_fail_to_load_stops_naming_the_column_and_ids(tmp_path, images_nowhere):
+    """Not a pipeline read again and again for ever: the epoch's rows all rejected stop the run, once."""
+    import time
+
+    model, parquet, _ = images_nowhere
+    start = time.monotonic()
+    with pytest.raises(yatt_ray.DataError) as info:
+        yatt_ray.fit(vision_config(tmp_path, model, parquet))
+    message = str(info.value)
+    assert "all 32 rows of epoch 0 were rejected: their images (column data.image_key='images')" in message
+    assert re.search(
+        r"For example id (\d+): row \1 image 0 \(path '[^']*gone/\1\.png'\) does not exist", message
+    )
+    assert "raised in a training worker" in message and time.monotonic() - start < 300
+
+
+def test_a_stop_request_ends_a_run_that_waits_for_usable_rows(tmp_path, images_nowhere, monkeypatch):
+    """SIGTERM to the driver (its flag raised as the run starts) while every row is rejected and no bound is
+    set: the workers, with no step under way, see it and the run returns as stopped, not an error."""
+    import signal
+
+    from yatt_ray import run_control
+
+    class Received:  # the driver's PreemptionFlag once SIGTERM arrived
+        requested, received = True, signal.SIGTERM
+
+        def close(self) -> None:
+            pass
+
+    original = run_control.StopOnSignal.__init__
+
+    def sigterm_at_start(self, control, enabled: bool) -> None:
+        original(self, control, enabled=False)
+        self.flag = Received()
+
+    monkeypatch.setattr(run_control.StopOnSignal, "__init__", sigterm_at_start)
+    model, _, jsonl = images_nowhere
+    result = yatt_ray.fit(vision_config(tmp_path, model, jsonl, "data.max_rejected_in_a_row=null"))
+    assert result.stopped == "SIGTERM" and not [r for r in result.history if "reward_mean" in r]

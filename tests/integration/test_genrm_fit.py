@@ -159,7 +159,7 @@ def test_asynchronous_rollout_is_judged_a_step_ahead(disaggregated_async):
     result = disaggregated_async
     assert_judged_cleanly(result, 4)
     staleness = result.metric("async/staleness_max")
-    assert staleness[0] == 0 and max(staleness) == 1 and sum(result.metric("async/aged_out")) == 0, staleness
+    assert staleness[0] == 0 and max(staleness) == 1, staleness
     assert sum(result.metric("genrm/discarded")) == 0  # every sample generated ahead was judged and trained
     # the samples generated ahead go to the judge as they finish, while the trainers train the step before
     # (judging them only when their step is collected would leave the judge idle through training)

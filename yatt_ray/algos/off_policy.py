@@ -145,7 +145,8 @@ def _truncated(
 ) -> tuple[Tensor, Tensor]:
     """Truncated importance sampling, w = min(rho, cap) (the same weight as `tis_weights`); nothing masked.
     Also decoupled PPO's behaviour weight: its PPO ratio is taken against old_logp (the proximal policy), as
-    the trainer always does."""
+    the trainer always does. Unlike AReaL's own code, which drops a token whose weight exceeds the cap
+    (weight 0, `behav_imp_weight_cap`), "decoupled" here caps it (weight = cap) and keeps it."""
     del low, high
     return tis_weights(old_logp, rollout_logp, _check_cap(cap)), mask.bool()
 
@@ -154,7 +155,8 @@ def _truncated(
 def _mis(
     old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float | None, low: float, high: float
 ) -> tuple[Tensor, Tensor]:
-    """Masked importance sampling: w = rho inside [low, high], 0 outside (those tokens masked)."""
+    """Masked importance sampling: w = rho inside [low, high], 0 outside (those tokens masked). This is the
+    IcePop objective as published (Ring-1T: ``M(k) = k`` inside the band), not "icepop" here."""
     del cap
     ratio, inside = _band(old_logp, rollout_logp, low, high)
     weights = torch.where(inside, ratio, torch.zeros((), dtype=ratio.dtype, device=ratio.device))
@@ -165,7 +167,8 @@ def _mis(
 def _icepop(
     old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float | None, low: float, high: float
 ) -> tuple[Tensor, Tensor]:
-    """Band mask: w = 1 inside [low, high], 0 outside (those tokens masked); no reweighting."""
+    """Band mask: w = 1 inside [low, high], 0 outside (those tokens masked); no reweighting (token-level
+    rejection sampling). Not the published IcePop, which keeps the ratio inside the band: that is "mis"."""
     del cap
     ratio, inside = _band(old_logp, rollout_logp, low, high)
     return inside.to(ratio.dtype), mask.bool() & inside
@@ -269,7 +272,8 @@ def decoupled_ppo_loss(
         w_t    = min(exp(clamp(proximal_logp_t - behaviour_logp_t, -20, 20)), cap)       (detached)
         loss_t = -w_t * min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
 
-    i.e. `ppo_clip_loss` against the proximal policy times the truncated proximal/behaviour weight. The trainer
+    i.e. `ppo_clip_loss` against the proximal policy times the truncated proximal/behaviour weight (AReaL's
+    own code drops the tokens whose weight exceeds the cap instead of truncating them). The trainer
     computes the same thing as "ppo_clip" with ``algo.off_policy=decoupled`` (or "tis"). ``stats``: those of
     `ppo_clip_loss` ("ratio", "clipped", "dual_clipped") and ``"behaviour_weight"`` (w, [B, T]).
     ``response_mask`` is accepted for a uniform call and unused (the aggregation masks padding).

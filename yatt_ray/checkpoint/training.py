@@ -13,7 +13,9 @@ Layout under `checkpoint.dir` (any fsspec URL)::
 Each rank writes its own files in the background (`AsyncCheckpointWriter` on its own store) and commits them
 there. After every step the ranks exchange which saves they have finished; once every rank has committed step
 s, rank 0 commits ``step_s/manifest.json``. A resume takes the newest step whose run marker and every needed
-rank file verify (sha256); a damaged one is skipped with a warning. Rank 0 applies retention to the run's
+rank file verify (sha256); a damaged one is skipped with a warning (and moved aside when the run resumes
+from an older one), while one in a newer format than this yatt_ray reads stops the start with an error
+naming the versions (upgrade yatt_ray) and stays where it is. Rank 0 applies retention to the run's
 markers and removes the rank files of steps no longer kept.
 """
 
@@ -40,7 +42,13 @@ from yatt_ray.checkpoint.state import (
     set_rng_state,
     trainer_state,
 )
-from yatt_ray.checkpoint.store import CheckpointError, CheckpointRef, CheckpointStore, step_dir_name
+from yatt_ray.checkpoint.store import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointRef,
+    CheckpointStore,
+    step_dir_name,
+)
 from yatt_ray.checkpoint.writer import AsyncCheckpointWriter, SaveHandle, load
 from yatt_ray.metrics.history import RESUME_KEY, MetricRow, rewind_history
 
@@ -556,7 +564,9 @@ def choose_resume(cfg, restart: bool = False) -> tuple[str, int, dict] | None:
     re-run of the same command continues the run instead of rolling it back. Otherwise `checkpoint.resume`
     decides: "auto" starts fresh; a folder (or one of its step_XXXXXXXX folders) of an earlier run resumes from
     there; "never" starts fresh, and refuses a first start whose `checkpoint.dir` already holds checkpoints.
-    Every file of the chosen step passes its sha256 check; a damaged step is skipped with a warning."""
+    Every file of the chosen step passes its sha256 check; a damaged step is skipped with a warning. A step
+    written in a newer format than this yatt_ray reads stops the choice (`CheckpointFormatError`: upgrade),
+    and is neither skipped nor, later, moved aside."""
     mode = cfg.resume
     own = CheckpointStore(cfg.dir, storage_options=dict(cfg.storage_options)).list_committed()
     if mode == "never" and own and not restart:
@@ -629,15 +639,35 @@ def _split_step(url: str) -> tuple[str, int | None]:
     return url[: m.start()].rstrip("/") or "/", int(m.group(1))
 
 
+def _run_format_version(fmt: Any) -> int | None:
+    """N of a run marker's format "yatt_ray.run/N"; None for anything else."""
+    prefix = "yatt_ray.run/"
+    text = str(fmt)
+    tail = text[len(prefix) :]
+    return int(tail) if text.startswith(prefix) and tail.isdigit() else None
+
+
 def _verify_run_step(source: CheckpointStore, root: str, step: int, opts: dict) -> tuple[str | None, dict]:
-    """(None, run metadata) when step's marker and every rank file it needs verify; else (the problem, {})."""
+    """(None, run metadata) when step's marker and every rank file it needs verify; else (the problem, {}).
+    A checkpoint written in a newer format (its marker's or a rank's manifest, or its run format) is not damage:
+    `CheckpointFormatError` is raised, naming the versions, and the checkpoint is left where it is (the
+    store's rule; falling back to an older step would set it aside and lose its progress)."""
     try:
         ref: CheckpointRef = source.ref(step)
+    except CheckpointFormatError:
+        raise
     except CheckpointError as exc:
         return str(exc), {}
     meta = ref.manifest.metadata
     if meta.get("format") != RUN_FORMAT:
-        if str(meta.get("format", "")).startswith("yatt_ray.run/"):
+        found, reads = _run_format_version(meta.get("format")), _run_format_version(RUN_FORMAT)
+        if found is not None and reads is not None and found > reads:
+            raise CheckpointFormatError(
+                f"checkpoint step {step} in {root} was written by a newer yatt_ray (run format "
+                f"{meta['format']!r}); this yatt_ray reads up to {RUN_FORMAT!r}: upgrade yatt_ray to resume "
+                "from it (the checkpoint is left as it is)"
+            )
+        if found is not None:
             return (
                 f"written in format {meta['format']!r}, this yatt_ray reads {RUN_FORMAT!r} (older checkpoints "
                 "held pickled run state); continue it with the yatt_ray that wrote it, or start afresh"
@@ -647,6 +677,8 @@ def _verify_run_step(source: CheckpointStore, root: str, step: int, opts: dict) 
         store = CheckpointStore(rank_url(root, rank), _NO_RETENTION, None, dict(opts))
         try:
             problem = store.verify(store.ref(step))
+        except CheckpointFormatError:
+            raise
         except CheckpointError as exc:
             problem = str(exc)
         if problem is not None:

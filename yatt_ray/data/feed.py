@@ -83,6 +83,25 @@ def _stack(values: list) -> np.ndarray:
 
 
 SKIP = "_consumed"  # the column `MarkConsumed` adds: rows a resumed epoch had already consumed
+RECENT_REJECTED = 5  # rejected rows a feed keeps for the error that stops a run whose rows are all rejected
+
+
+@dataclass
+class EpochTally:
+    """The rows of one epoch a feed read: usable ones (queued, or consumed before a resume) and rejected ones
+    (images that did not load)."""
+
+    epoch: int
+    usable: int = 0
+    rejected: int = 0
+
+
+def describe_rejected(rows: list[FeedRow] | list[tuple[Any, str]], limit: int = 3, width: int = 240) -> str:
+    """'id 3: <why>; id 7: <why>' for the first `limit` of `rows` (FeedRows or (id, why) pairs), each reason
+    cut at `width` characters."""
+    pairs = [(r.id, str(r.row.get(IMAGE_ERROR, ""))) if isinstance(r, FeedRow) else r for r in rows]
+    cut = [(i, why if len(why) <= width else why[: width - 3] + "...") for i, why in pairs[:limit]]
+    return "; ".join(f"id {i!r}: {why}" for i, why in cut)
 
 
 class MarkConsumed:
@@ -152,10 +171,15 @@ class PromptFeed:
         self.queue: deque[FeedRow] = deque()
         self.lent: dict[int, FeedRow] = {}  # popped, not yet consumed or requeued (in flight), by object id
         self.last_ids: list = []  # ids of the latest `next()` batch
-        self.rejected: list[
-            FeedRow
-        ] = []  # rows with images that did not load, consumed; the controller drains it
+        # rows with images that did not load, consumed; the controller drains it
+        self.rejected: list[FeedRow] = []
+        # rows rejected since the last usable one, the most ever rejected one after another, and the latest
+        # few rejected (data.max_rejected_in_a_row)
+        self.rejected_in_a_row = self.longest_rejected_run = 0
+        self.recent_rejected: deque[FeedRow] = deque(maxlen=RECENT_REJECTED)
         self.epoch = self.rest[0][0] if self.rest else epoch  # epoch of the latest row read from the stream
+        self._tally = EpochTally(self.epoch)  # the rows of the epoch being read
+        self.finished: EpochTally | None = None  # those of the last epoch read to its end
         self._warned_ids = False
         self._buffer: deque[FeedRow | None] = deque()  # rows of the fetched batch not pulled yet
         self._batches = _Prefetch(self._epochs())
@@ -166,26 +190,35 @@ class PromptFeed:
         """Read `k` rows of the stream (blocks until they arrive); the unconsumed ones join the back of the
         queue (a resumed epoch's consumed rows are read past), except rows whose images did not load (a
         non-empty `image_error`): those are consumed at once and kept in `rejected` for the controller to
-        count, so the queue may grow by fewer than `k`."""
+        count, so the queue may grow by fewer than `k`. It counts them as it goes (`rejected_in_a_row`,
+        `longest_rejected_run`, and per epoch `finished`: the usable and rejected rows of the last epoch read
+        to its end), so the controllers can stop a run whose rows are all rejected."""
         for _ in range(k):
             if not self._buffer:
                 self._fetch()
             row = self._buffer.popleft()
-            if row is None:
+            if row is None:  # consumed before a resume: counted as usable (its images loaded then)
+                self._tally.usable += 1
                 continue
             self.epoch = row.epoch
-            if row.row.get(
-                IMAGE_ERROR
-            ):  # images that did not load (data.on_bad_image=skip): consumed, set aside
+            if row.row.get(IMAGE_ERROR):  # images that did not load (data.on_bad_image=skip): set aside
                 self.consume([row])
                 self.rejected.append(row)
+                self.recent_rejected.append(row)
+                self.rejected_in_a_row += 1
+                self.longest_rejected_run = max(self.longest_rejected_run, self.rejected_in_a_row)
+                self._tally.rejected += 1
             else:
                 self.queue.append(row)
+                self.rejected_in_a_row = 0
+                self._tally.usable += 1
 
     def _fetch(self) -> None:
         """The stream's next batch into the buffer (blocks until it arrives)."""
         epoch, batch = next(self._batches)
         self.first_batch_at = self.first_batch_at or time.time()
+        if epoch != self._tally.epoch:  # every row of the epoch before was pulled (the buffer was empty)
+            self.finished, self._tally = self._tally, EpochTally(epoch)
         skip = batch.pop(SKIP, np.zeros(len(batch["id"]), dtype=bool))
         rows = (FeedRow(epoch, {c: v[i] for c, v in batch.items()}) for i in np.flatnonzero(~skip))
         self._buffer.extend([None] * int(skip.sum()) + list(rows))  # None: a consumed row's place

@@ -62,13 +62,24 @@ class GenRMClient:
         self.lock = threading.RLock()
 
     def submit(self, requests: list[JudgeRequest]) -> None:
+        """Send `requests` (one per sample), all or none: when a send fails, the ones this call sent are
+        cancelled and forgotten before the error propagates, so the samples can be submitted again."""
         with self.lock:
-            for r in requests:
-                if r.key in self.pending:
-                    raise GenRMError(
-                        f"GenRM request key {r.key!r} submitted twice; keys must be unique per sample"
-                    )
-                self.pending[r.key] = _Pending(r, self.handle.judge.remote(r))
+            keys = [r.key for r in requests]
+            twice = [k for k in keys if k in self.pending] + [k for k, n in Counter(keys).items() if n > 1]
+            if twice:
+                raise GenRMError(
+                    f"GenRM request key {twice[0]!r} submitted twice; keys must be unique per sample"
+                )
+            sent: list[str] = []
+            try:
+                for r in requests:
+                    self.pending[r.key] = _Pending(r, self.handle.judge.remote(r))
+                    sent.append(r.key)
+            except BaseException:
+                for key in sent:
+                    self.pending.pop(key).response.cancel()
+                raise
 
     def collect(self, keys: Iterable[str] | None = None) -> dict[str, Verdict]:
         """The verdicts of `keys` (default: every pending sample), by key; they leave the pending set, the

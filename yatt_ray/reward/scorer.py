@@ -13,7 +13,9 @@ Nothing outlives its step: `scores` reads exactly the verdicts of the samples it
 being judged), `discard` cancels and forgets the samples a step submitted but does not score (in partial
 coexistence the streamed samples of a group that finished past the need), and a failed `scores` drops its
 samples' requests. `held()` counts what is still awaited; it is 0 at the end of every step
-(`genrm/held`), however long the run.
+(`genrm/held`), however long the run. With asynchronous rollout (`rollout.max_staleness` = K > 0) the
+samples of up to K - 1 later steps are being judged ahead at the end of a step: they belong to those steps
+and are counted apart (`genrm/ahead`, by the key prefixes in `ahead`), not as held.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class RewardScorer:
         self.parse_failures = 0
         self.rule_errors = 0  # samples the rule function raised on (reward.on_error=zero)
         self.discarded = 0  # submitted samples dropped unscored (their group was not taken)
+        # key prefixes of later steps generated ahead and not collected yet (asynchronous rollout): their
+        # samples are judged ahead, counted in `genrm/ahead`, not in `genrm/held`
+        self.ahead: set[str] = set()
 
     def submit(self, samples: list[Sample]) -> None:
         if self.client is not None:
@@ -99,8 +104,19 @@ class RewardScorer:
             self.discarded += self.client.discard(s.key for s in samples)
 
     def held(self) -> int:
-        """Samples submitted and neither scored nor discarded (their requests still held by the client)."""
-        return 0 if self.client is None else len(self.client.pending)
+        """Samples submitted and neither scored nor discarded (their requests still held by the client), less
+        those of later steps judged ahead (keys under a prefix in `ahead`)."""
+        return self._pending()[0]
+
+    def _pending(self) -> tuple[int, int]:
+        """(held, judged ahead) from one look at the client's requests (a thread may be submitting)."""
+        if self.client is None:
+            return 0, 0
+        with self.client.lock:
+            keys = list(self.client.pending)
+        prefixes = tuple(self.ahead)
+        ahead = sum(key.startswith(prefixes) for key in keys) if prefixes else 0
+        return len(keys) - ahead, ahead
 
     def _scores(self, samples: list[Sample]) -> list[float]:
         items = [(s.response, s.ground_truth, s.data_source) for s in samples]
@@ -121,9 +137,10 @@ class RewardScorer:
 
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call: `reward/errors` (the rule function raised; reward.on_error=zero) and
-        the GenRM counters: parse failures, retries, samples discarded unscored, and `genrm/held` (samples
-        still awaited: 0 once the step has scored or discarded all it submitted). The keys follow from the
-        config alone (the controllers sum them collectively)."""
+        the GenRM counters: parse failures, retries, samples discarded unscored, `genrm/held` (samples
+        still awaited: 0 once the step has scored or discarded all it submitted) and `genrm/ahead` (samples of
+        later steps being judged ahead: asynchronous rollout only). The keys follow from the config alone (the
+        controllers sum them collectively)."""
         stats: dict[str, float] = {}
         if self.uses_rule and self.config.on_error == "zero":
             stats["reward/errors"] = float(self.rule_errors)
@@ -133,6 +150,7 @@ class RewardScorer:
         stats["genrm/parse_failures"] = float(self.parse_failures)
         stats["genrm/retries"] = float(self.client.retries)
         stats["genrm/discarded"] = float(self.discarded)
-        stats["genrm/held"] = float(self.held())
+        held, ahead = self._pending()
+        stats["genrm/held"], stats["genrm/ahead"] = float(held), float(ahead)
         self.parse_failures, self.client.retries, self.discarded = 0, 0, 0
         return stats

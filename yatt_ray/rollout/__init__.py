@@ -21,8 +21,11 @@ from typing import Any
 import torch
 
 from yatt_ray.config import EngineKind
-from yatt_ray.errors import ConfigError, UnknownNameError
+from yatt_ray.errors import ConfigError, UnknownNameError, YattError
 from yatt_ray.rollout.base import Completion, GenerateRequest, RolloutEngine, SamplingSpec, complete
+
+if typing.TYPE_CHECKING:
+    from yatt_ray.rollout.engine_choice import EngineChoice, RolloutShape
 
 __all__ = [
     "ENGINE_DTYPES",
@@ -31,6 +34,7 @@ __all__ = [
     "GenerateRequest",
     "RolloutEngine",
     "SamplingSpec",
+    "auto_engine",
     "complete",
     "make_engine",
     "resolve_engine_kind",
@@ -60,7 +64,8 @@ def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> RolloutEngin
 
     "auto" picks vLLM when it is installed and can run the model here (on the CPU, vLLM's attention supports
     only some head sizes; of the vision-language models it serves Qwen2-VL / Qwen2.5-VL, not LLaVA), else the
-    Hugging Face engine, and logs why. Keyword arguments that only the other
+    Hugging Face engine, and logs why: the rule, nothing measured (`fit` resolves `rollout.engine=auto` on CPU
+    workers by timing both engines at the run's shape, `auto_engine`). Keyword arguments that only the other
     engine understands (e.g. `kv_cache_gb` for "hf", `device` for "vllm") are dropped, so one config serves
     both; an argument neither engine takes raises `ConfigError`.
     """
@@ -77,9 +82,17 @@ def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> RolloutEngin
     return cls(model_dir, **kwargs)
 
 
-def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> EngineKind:
+def resolve_engine_kind(
+    kind: str,
+    model_dir: str | Path,
+    on_gpu: bool,
+    shape: RolloutShape | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> EngineKind:
     """ "vllm" or "hf" for `kind` ("vllm" | "hf" | "auto") on workers with (`on_gpu`) or without GPUs.
 
+    "auto" is `auto_engine(...).kind`: with a rollout `shape` on CPU workers, the faster engine measured (and
+    cached) at that shape where both can serve the model; else by rule. An explicit kind is only checked.
     Raises UnknownNameError for another kind, and ConfigError when "vllm" is asked for and not installed.
     The driver calls it once so that every controller builds the same kind of engine.
     """
@@ -88,7 +101,7 @@ def resolve_engine_kind(kind: str, model_dir: str | Path, on_gpu: bool) -> Engin
             f"unknown rollout engine kind {kind!r}; valid kinds: {', '.join(ENGINE_KINDS)}"
         )
     if kind == "auto":
-        return typing.cast(EngineKind, _auto_kind(str(model_dir), on_gpu))
+        return typing.cast(EngineKind, auto_engine(model_dir, on_gpu, shape, engine_kwargs).kind)
     if kind == "vllm" and not vllm_available():
         raise ConfigError(
             "rollout engine 'vllm' was asked for but vLLM is not installed: install it with "
@@ -116,22 +129,48 @@ def _vision_reason(model_dir: str | Path) -> str | None:
     return vision_unsupported_reason(model_dir)
 
 
-def _auto_kind(model_dir: str, on_gpu: bool) -> str:
+def auto_engine(
+    model_dir: str | Path,
+    on_gpu: bool,
+    shape: RolloutShape | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> EngineChoice:
+    """What "auto" resolves to, and why (`EngineChoice.describe`). The Hugging Face engine where vLLM cannot
+    serve the model (not installed; on the CPU, a head size its attention lacks; a vision-language model other
+    than Qwen2-VL / Qwen2.5-VL); on GPUs vLLM; on CPUs, given the rollout `shape` (and the engines' build
+    arguments, `engine_kwargs`) for a text model, the faster of the two measured at that shape on this machine
+    (`engine_choice.choose_engine`, cached per machine, model and shape; vLLM, with a warning, when the
+    measurement fails); without a shape, vLLM (the rule: no measurement)."""
+    from yatt_ray.rollout.engine_choice import EngineChoice, choose_engine
+
+    model_dir = str(model_dir)
     reason = _vision_reason(model_dir)
     if reason:
         logger.warning("rollout engine 'auto' -> 'hf': %s", reason)
-        return "hf"
+        return EngineChoice("hf", reason)
     if not vllm_available():
         logger.info("rollout engine 'auto' -> 'hf': vLLM is not installed")
-        return "hf"
-    if not on_gpu:
-        from yatt_ray.rollout.vllm_engine import cpu_unsupported_reason
+        return EngineChoice("hf", "vLLM is not installed")
+    if on_gpu:
+        return EngineChoice("vllm", "on GPUs")
+    from yatt_ray.model_dir import is_vision_model
+    from yatt_ray.rollout.vllm_engine import cpu_unsupported_reason
 
-        reason = cpu_unsupported_reason(model_dir)
-        if reason:
-            logger.warning("rollout engine 'auto' -> 'hf': %s", reason)
-            return "hf"
-    return "vllm"
+    reason = cpu_unsupported_reason(model_dir)
+    if reason:
+        logger.warning("rollout engine 'auto' -> 'hf': %s", reason)
+        return EngineChoice("hf", reason)
+    if shape is None:
+        return EngineChoice("vllm", "vLLM installed; no rollout shape given to measure at")
+    if is_vision_model(model_dir):  # a text-only measurement would not show the image prompts' cost
+        return EngineChoice("vllm", "a vision-language model: vLLM by rule, not measured")
+    try:
+        choice = choose_engine(model_dir, shape, engine_kwargs)
+    except YattError as e:
+        logger.warning("rollout engine 'auto' -> 'vllm' (the rule): %s", e)
+        return EngineChoice("vllm", "the engines could not be timed here (see the warning)")
+    logger.debug("rollout engine %s", choice.describe())  # the driver prints it with the plan
+    return choice
 
 
 def _engine_class(kind: str) -> Any:

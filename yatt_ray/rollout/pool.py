@@ -58,7 +58,7 @@ Tag = tuple[int, int]
 INITIAL: Tag = (0, -1)  # the model directory's weights
 STATS = (  # an engine pool's counters, summed per step (`take_stats`); the queue wait is its maximum
     "rollout/engine_requests", "rollout/resent_prompts", "rollout/engine_refreshes", "rollout/weight_timeouts",
-    "rollout/failed_broadcasts", "rollout/engine_queue_max_s",
+    "rollout/failed_broadcasts", "rollout/engine_queue_s_max",
 )  # fmt: skip
 Weights = Callable[[], Iterable[Iterable[tuple[str, torch.Tensor]]]]  # the policy's buckets, gathered anew
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -109,7 +109,7 @@ class EngineActor:
 
     def __init__(
         self, kind: str, model_dir: str, threads: int, engine_kwargs: dict[str, Any], ordered: bool = False,
-        weight_timeout_s: float = 600.0,
+        weight_timeout_s: float = 600.0, join_requests: bool = True,
     ) -> None:  # fmt: skip
         from yatt_ray.rollout import make_engine
 
@@ -129,6 +129,7 @@ class EngineActor:
         # rollout.ordered: a request runs on exactly the version it asks for, alone; a push waits behind the
         # requests asking for older versions (`asked`: the versions of the requests waiting or running)
         self.ordered = ordered
+        self.join_requests = join_requests and not ordered  # rollout.join_requests
         self.asked: list[Tag] = []
         self.queue: list[_Ticket] = []  # requests waiting, oldest first
         self.running = False  # a batch holds the engine
@@ -230,9 +231,11 @@ class EngineActor:
         return []
 
     def _take_batch(self, first: _Ticket) -> list[_Ticket]:
-        """Under `ready`: `first` and every queued runnable request that joins it (none with `ordered`), out of
-        the queue; the engine is taken."""
-        joining = [] if self.ordered else [t for t in self.queue if t is not first and self._runnable(t)]
+        """Under `ready`: `first` and every queued runnable request that joins it (none with `ordered` or
+        without `rollout.join_requests`), out of the queue; the engine is taken."""
+        joining = (
+            [t for t in self.queue if t is not first and self._runnable(t)] if self.join_requests else []
+        )
         batch = [first, *[t for t in joining if first.joins(t)]]
         self.queue = [t for t in self.queue if t not in batch]
         self.running = True
@@ -474,12 +477,12 @@ def spread(costs: list[int], engines: list[int], first: int) -> list[int]:
 
 def start_engine_pool(
     kind: str, model_dir: str, count: int, resources: dict[str, float], engine_kwargs: dict[str, Any],
-    transport: str = "auto", ordered: bool = False, weight_timeout_s: float = 600.0,
+    transport: str = "auto", ordered: bool = False, weight_timeout_s: float = 600.0, join_requests: bool = True,
 ) -> EngineHandles:  # fmt: skip
     """The driver's part: `count` engine actors with `resources` each ({"CPU": c, "GPU": 1}, plus any custom
     resource of the nodes they must run on) and the router.
     Each engine restarts when it dies (its sub-requests are sent again by the pools). `ordered`: see
-    `rollout.ordered`; `weight_timeout_s`: `rollout.weight_timeout_s`."""
+    `rollout.ordered`; `weight_timeout_s`, `join_requests`: the `rollout.` keys of those names."""
     threads = int(resources.get("CPU", 0))
     gpus = resources.get("GPU", 0.0)
     options = dict(
@@ -499,6 +502,7 @@ def start_engine_pool(
             {**engine_kwargs, "seed": engine_kwargs.get("seed", 0) + i},
             ordered,
             weight_timeout_s,
+            join_requests,
         )  # fmt: skip
         for i in range(count)
     ]
@@ -603,7 +607,7 @@ class EnginePool:
                 g.pending.update(self._dispatch(g.request, idxs, g.costs, g.avoid))
                 continue
             groups, aborted, version, queued_s = out
-            self.stats["rollout/engine_queue_max_s"] = max(self.stats["rollout/engine_queue_max_s"], queued_s)
+            self.stats["rollout/engine_queue_s_max"] = max(self.stats["rollout/engine_queue_s_max"], queued_s)
             self.last_aborted += aborted
             for i, group in zip(idxs, groups):
                 g.results[i], g.versions[i] = group, version
