@@ -215,3 +215,27 @@ def test_ordered_requests_run_on_exactly_the_weights_they_ask_for(ordered_engine
         assert [o[0].token_ids for o in out] == [reference_greedy(model, p, 60, stop_ids=()) for p in prompts]
     info = ray.get(actor.info.remote())
     assert info["in_flight_pushes"] == 0 and info["kept_pushes"] == 0 and info["version"] == pool.tag, info
+
+
+def test_a_controller_that_cannot_push_learns_a_restarted_engine_once_it_holds_the_weights(
+    engines, hf_models
+):
+    """tp_size > 1: a non-pushing controller meets a restarted engine (stale) and sends its prompts to the other
+    engine; once the pusher's next push reached it, the controller's next request that meets it learns its
+    new process and later requests go to it without bouncing."""
+    attempt = next(ATTEMPTS)
+    pusher = _pool(engines, hf_models[1], attempt=attempt)
+    other = EnginePool(engines, False, None, seed=1, attempt=attempt, rank=1)
+    other.finish_weight_sync()  # this controller's version follows the pusher's
+    ray.kill(engines.engines[1], no_restart=False)
+    prompts = PROMPTS * 2
+    want = [reference_greedy(hf_models[1], p, 6) for p in prompts]
+    assert [o[0].token_ids for o in complete(other.generate(GenerateRequest(prompts, GREEDY)))] == want
+    assert other.take_stats()["rollout/resent_prompts"] > 0  # bounced off the restarted engine
+    _push(pusher, hf_models[1])  # the next push reaches the restarted engine
+    other.finish_weight_sync()
+    for resent in (None, 0.0):  # the first request that meets it learns its id; the next ones go straight
+        assert [o[0].token_ids for o in complete(other.generate(GenerateRequest(prompts, GREEDY)))] == want
+        stats = other.take_stats()
+        assert resent is None or stats["rollout/resent_prompts"] == resent, stats
+    _push(pusher, hf_models[0])
