@@ -72,7 +72,7 @@ ORDERED = ("rollout.max_staleness=2", "rollout.ordered=true", "algo.dynamic_samp
 def timed(key: str) -> bool:
     """What may differ between two runs of one seed: clocks, memory, and what is measured from them."""
     prefixes = ("time/", "memory/", "perf/", "idle/", "timeline/", "startup/", "checkpoint/")
-    return key.startswith(prefixes) or key.endswith("_s") or "_per_s" in key
+    return key.startswith(prefixes) or key.endswith(("_s", "_s_max")) or "_per_s" in key
 
 
 def test_ordered_asynchronous_runs_repeat_each_other(ray_cluster, demo_cache, tmp_path):

@@ -64,8 +64,15 @@ def partial(ray_cluster, demo_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(ray_cluster, demo_cache, tmp_path_factory):
-    # the trainer offloads to host memory while the rollout engine and the judge have the accelerator
-    return genrm_run(tmp_path_factory.mktemp("full"), "full", "train.offload_during_rollout=true", *SHORT)
+    # the trainer offloads to host memory while the rollout engine and the judge have the accelerator; the
+    # engine is vLLM, whose KV cache is what it releases (rollout.engine=auto may time the HF engine faster)
+    return genrm_run(
+        tmp_path_factory.mktemp("full"),
+        "full",
+        "train.offload_during_rollout=true",
+        "rollout.engine=vllm",
+        *SHORT,
+    )
 
 
 @pytest.fixture(scope="module")
