@@ -633,6 +633,8 @@ def _rollout_errors(r: RolloutConfig) -> list[str]:
         (r.max_aborts is None or r.max_aborts >= 1,
          f"rollout.max_aborts={r.max_aborts} must be >= 1 (or null: never wait for an aborted prompt)"),
         (r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = synchronous)"),
+        (r.weight_sync_bucket_mb > 0,
+         f"rollout.weight_sync_bucket_mb={r.weight_sync_bucket_mb} must be > 0 (MiB a bucket of a weight push)"),
         (r.weight_timeout_s > 0,
          f"rollout.weight_timeout_s={r.weight_timeout_s} must be > 0 (seconds a request waits for missing weights)"),
     ])  # fmt: skip

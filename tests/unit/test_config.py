@@ -289,3 +289,13 @@ def test_asynchronous_rollout_is_refused_where_it_cannot_work():
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=-1 must be >= 0"):
         load_config(None, ["rollout.max_staleness=-1"])
     assert load_config(None, [*engines, "rollout.max_staleness=2"]).rollout.max_staleness == 2
+
+
+def test_engine_actor_keys_are_checked():
+    """The engine actors' weight wait and push buckets must be positive; fractions of a MiB are fine."""
+    with pytest.raises(ConfigError, match=r"rollout.weight_timeout_s=0.0 must be > 0"):
+        load_config(None, ["rollout.weight_timeout_s=0"])
+    with pytest.raises(ConfigError, match=r"rollout.weight_sync_bucket_mb=0.0 must be > 0"):
+        load_config(None, ["rollout.weight_sync_bucket_mb=0"])
+    config = load_config(None, ["rollout.weight_sync_bucket_mb=0.5", "rollout.join_requests=false"])
+    assert config.rollout.weight_sync_bucket_mb == 0.5 and config.rollout.join_requests is False
