@@ -92,7 +92,8 @@ def child(path: str, prompt: int, samples: int, length: int) -> dict:
     """One measurement in this (fresh) process."""
     import torch.distributed as dist
 
-    from yatt_ray.train import LlamaShape, build_gpt_model, init_parallel_state, seed_everything
+    from yatt_ray.model_shape import LlamaShape
+    from yatt_ray.train import build_gpt_model, init_parallel_state, seed_everything
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     init_parallel_state(1)

@@ -17,7 +17,7 @@ for the step under way, one for the driver's lag in writing rows): the medians o
     ray_background: group=<name> mfu_running=<x> mfu_stopped=<y> train_s_running=<a> train_s_stopped=<b>
 
 On a machine with cores to spare the two agree; on two cores every wake-up of a background process lands on
-one of the trainer's two GEMM threads (README, "Against TRL"). Every stopped process is resumed however the
+one of the trainer's two GEMM threads (docs/performance.md, "Against TRL"). Every stopped process is resumed however the
 script ends.
 """
 

@@ -235,10 +235,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args: argparse.Namespace, model_dir: Path) -> dict:
-    from yatt_ray.cluster import cpu_env
     from yatt_ray.config import AlgoConfig
-    from yatt_ray.metrics.flops import causal_pairs, worker_perf_model
+    from yatt_ray.host_memory import cpu_env
+    from yatt_ray.metrics.flops import causal_pairs
     from yatt_ray.step import perf_metrics
+    from yatt_ray.train.kernel_timing import worker_perf_model
     from yatt_ray.train.policy import MegatronPolicy
 
     os.environ.update(cpu_env())  # as in the library's workers, before the first GEMM

@@ -64,11 +64,12 @@ def child(args: argparse.Namespace) -> dict:
     from bench_vs_trl import SIZES
 
     import yatt_ray.train.policy as policy_module
-    from yatt_ray.cluster import cpu_env
+    from yatt_ray.host_memory import cpu_env
+    from yatt_ray.model_shape import LlamaShape
     from yatt_ray.models.tiny import TinyModelSpec, build_tiny_model
     from yatt_ray.train import cpu_shims
-    from yatt_ray.train.hf_convert import LlamaShape
-    from yatt_ray.train.kernels import apply_kernels, choose_kernels
+    from yatt_ray.train.kernel_timing import choose_kernels
+    from yatt_ray.train.kernels import apply_kernels
 
     os.environ.update(cpu_env())  # as in the library's workers, before the first GEMM
     if args.malloc == "default":

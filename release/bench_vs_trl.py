@@ -13,7 +13,7 @@ never the project's environment), builds a char-level Llama with yatt_ray's tiny
 realistic lengths (answer digits + EOS), writes the prompts as parquet, then runs, back to back with the same
 prompts (token for token, in the same order for TRL and dp_size=1), settings and seed:
 - TRL: GRPOTrainer with HF generate, in one process with 2 torch threads (release/trl_grpo_run.py), without the
-  CPU math settings yatt_ray gives its processes (`yatt_ray.cluster.CPU_ENV`) unless `--trl-cpu-env`;
+  CPU math settings yatt_ray gives its processes (`yatt_ray.host_memory.CPU_ENV`) unless `--trl-cpu-env`;
 - yatt_ray dp_size=1 with cluster.cpus_per_worker=2, and dp_size=2 with one CPU per worker.
 Settings: 32 prompts x 8 samples per step, at most 16 new tokens, temperature 1 (top_p 1), constant lr 1e-4,
 no KL and no reference model, GRPO, one epoch of one mini-batch (on-policy), fp32, 25 steps.
@@ -95,7 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--trl-cpu-env",
         action="store_true",
-        help="give TRL's process the CPU math settings every yatt_ray process gets (yatt_ray.cluster.CPU_ENV); "
+        help="give TRL's process the CPU math settings every yatt_ray process gets (yatt_ray.host_memory.CPU_ENV); "
         "default: TRL as its users run it",
     )
     p.add_argument(
@@ -161,14 +161,13 @@ def warm_model(args: argparse.Namespace, spec) -> tuple[Path, dict]:
 
 
 def _build_warm(model_dir: Path, spec, recipe: dict) -> None:
-    """Random model -> SFT on prompt + answer + EOS (yatt_ray.tasks.demo.sft_tensors; AdamW, one-cycle lr) -> saved HF directory,
+    """Random model -> SFT on prompt + answer + EOS (yatt_ray.models.tiny.sft_tensors; AdamW, one-cycle lr) -> saved HF directory,
     with the warm model's sampled response length and accuracy (temperature 1) in warmup.json."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from yatt_ray.models.tiny import build_tiny_model
+    from yatt_ray.models.tiny import build_tiny_model, sft_tensors
     from yatt_ray.tasks.arithmetic import make_problems
-    from yatt_ray.tasks.demo import sft_tensors
 
     torch.set_num_threads(THREADS)
     tmp = model_dir.with_name(model_dir.name + ".tmp")
@@ -383,7 +382,7 @@ def run_trl(args, python: Path, model_dir: Path, data_file: Path, rows: list[dic
     (work / "spec.json").write_text(json.dumps(spec))
     out = work / "result.json"
     out.unlink(missing_ok=True)
-    from yatt_ray.cluster import CPU_ENV, cpu_env
+    from yatt_ray.host_memory import CPU_ENV, cpu_env
 
     env = {k: v for k, v in os.environ.items() if k not in CPU_ENV}  # fit() put them in this process's
     env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
@@ -678,7 +677,7 @@ def print_setup(args: argparse.Namespace, spec, model_dir: Path, warm: dict, mic
           f"cores {os.cpu_count()}", flush=True)  # fmt: skip
     import torch
 
-    from yatt_ray.train.kernels import ISA_CAPS
+    from yatt_ray.machine_cache import ISA_CAPS
 
     caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]  # e.g. an AVX-512 CPU run as AVX2
     print(f"instruction set: {torch.backends.cpu.get_cpu_capability()}"

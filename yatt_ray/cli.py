@@ -17,10 +17,12 @@ def main(default_config: str | Path, description: str | None = None, argv: list[
     Bad input exits with status 2 and the message (which names the value and the fix), not a traceback.
     """
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, epilog=keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default=str(default_config), help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=10")
+    parser.add_argument(
+        "overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=10 (see below)"
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
@@ -31,6 +33,22 @@ def main(default_config: str | Path, description: str | None = None, argv: list[
         raise SystemExit(2) from None
     print(f"final checkpoint (Hugging Face format): {result.checkpoint_path}", flush=True)
     return result
+
+
+def keys_help() -> str:
+    """The `--help` epilog: where every config key is described, and the sections."""
+    from yatt_ray.config_reference import DOC_PATH, section_summaries
+
+    summaries = section_summaries()
+    width = max(len(name) for name, _ in summaries) + 2
+    return "\n".join(
+        [
+            f"config keys: every key with its type, default and meaning is in {DOC_PATH}",
+            "(also printed by `python -m yatt_ray.config --reference`). Any key can be overridden as",
+            "section.key=value, the value read as YAML (null, true, [a, b]). The sections:",
+            *(f"  {name:<{width}}{summary}" for name, summary in summaries),
+        ]
+    )
 
 
 def configure_logging(verbose: bool) -> None:

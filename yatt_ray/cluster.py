@@ -22,6 +22,8 @@ import os
 from collections.abc import Iterator
 
 from yatt_ray.config import Config
+from yatt_ray.host_memory import cpu_env
+from yatt_ray.placement import DATA_CPUS, genrm_replica_count, shared_cpus
 
 LOOPBACK = "127.0.0.1"
 
@@ -72,21 +74,6 @@ def connect(config: Config) -> None:
             dashboard_host=LOOPBACK,
             **ray_init_options(verbose, local=True),
         )
-
-
-# MKL's memory manager keeps each thread's GEMM packing buffers for the life of the process, and where they
-# land against the operands decides how fast every later GEMM runs: one 34M-parameter train step, alone in
-# one process on a 2-core AVX2 EPYC, took 3.58-4.30 s from process to process (each steady within itself)
-# and 4.52-4.66 s in every process with address randomisation off; with the manager off (buffers from malloc
-# at each call) 3.52-3.57 s, and 3.91-3.94 s without randomisation (docs/performance-history.md, 2026-12-06).
-CPU_ENV = {"MKL_DISABLE_FAST_MM": "1"}
-
-
-def cpu_env() -> dict[str, str]:
-    """Environment variables for the CPU math of every process of a job (`CPU_ENV`: MKL's memory manager off),
-    each with this process's value where it has one. MKL reads it when a process first calls it, so it goes
-    into the environment a worker starts with."""
-    return {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}
 
 
 def loopback_env() -> dict[str, str]:
@@ -140,8 +127,6 @@ def resolve_cpus_per_worker(config: Config, local: bool) -> None:
         return
     import ray
 
-    from yatt_ray.placement import DATA_CPUS, genrm_replica_count
-
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
     use_gpu = c.use_gpu if c.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 1
     candidates = [n for n in nodes if n["Resources"].get("GPU", 0) >= 1] if use_gpu else nodes
@@ -161,16 +146,9 @@ def resolve_cpus_per_worker(config: Config, local: bool) -> None:
     c.cpus_per_worker = share
 
 
-def shared_cpus(cpus: float, workers: int) -> int:
-    """floor(cpus / workers), at least 1."""
-    return max(1, int(cpus // max(workers, 1)))
-
-
 def _logical_cpus_needed(config: Config) -> int:
     """Logical CPUs a local cluster declares: cpus_per_worker for each training worker and GenRM replica, plus
     the data tasks' share (the placement plan's count, `placement.PlacementPlan.cpus_needed`), and one spare."""
-    from yatt_ray.placement import DATA_CPUS, genrm_replica_count
-
     cpus = config.cluster.cpus_per_worker or 1
     genrm = genrm_replica_count(config, bool(config.cluster.use_gpu)) if config.reward.mode != "rule" else 0
     engines = config.placement.rollout_engines * config.placement.cpus_per_engine

@@ -4,6 +4,8 @@ It holds what the phase needs and nothing of training: the prompt feed (the grou
 position), the prompt encoder, the rollout engine, the scorer, and dynamic sampling's keep rate. One call a
 step, `collect(step) -> RolloutBatch`: draw prompts, generate (over-sampling and abort of the long tail),
 score, filter (dynamic sampling), and pack the kept groups into the scored batch the trainer phases read.
+Asynchronous rollout's look-ahead window is scheduled here too: `collect(s)` ends by starting steps
+s+1 .. s+K on the engine actors, and `collect_started` checks the staleness that schedule bounds.
 `evaluate()` scores this group's share of the eval set greedily. `state_dict()` / `load_state_dict()` carry
 the phase's own state across a checkpoint (the keep rate; the feed's position and the engine's sampling
 stream are read by the checkpoint at each save).
@@ -29,14 +31,14 @@ from yatt_ray.config import Config
 from yatt_ray.data.feed import describe_rejected
 from yatt_ray.data.images import ERROR as IMAGE_ERROR
 from yatt_ray.draws import Group, groups_to_finish, is_informative, prompts_to_start, split_finished, top_up
-from yatt_ray.errors import DataError
+from yatt_ray.errors import DataError, YattError
 from yatt_ray.metrics.timeline import SpanRecorder
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.model_dir import ImageLayout
 from yatt_ray.prompts import PromptEncoder
 from yatt_ray.reward.rules import score_with_rule
 from yatt_ray.reward.scorer import Sample
-from yatt_ray.rollout.base import GenerateRequest, Images, SamplingSpec, complete
+from yatt_ray.rollout.base import GenerateRequest, Generation, Images, RolloutEngine, SamplingSpec, complete
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class InFlight:
 
     rows: list  # FeedRow, popped from the feed and not yet consumed
     encoded: list  # their EncodedPrompt
-    generation: Any  # rollout.pool.Generation
+    generation: Generation
     streamed: set[int] = field(default_factory=set)  # prompts whose samples went to the GenRM
     judging: threading.Thread | None = None  # streams them as they finish, while the trainer trains
 
@@ -84,7 +86,7 @@ class RolloutCollector:
         # partial / disaggregated: each prompt's samples go to the GenRM as soon as they finish generating
         self.streams_to_genrm = config.reward.mode != "rule" and config.placement.mode != "full"
         self.feed: Any = None
-        self.engine: Any = None
+        self._engine: RolloutEngine | None = None  # `attach_engine`
         self.keep_rate = 1.0  # dynamic sampling: the fraction of drawn groups kept, estimated over steps
         self.step_rows: list = []  # the prompt rows the latest step consumed (trained on, or dropped)
         self.inflight: dict[int, InFlight] = {}  # asynchronous rollout: steps whose prompts are generating
@@ -97,9 +99,39 @@ class RolloutCollector:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))  # masked out
 
+    @property
+    def engine(self) -> RolloutEngine:
+        if self._engine is None:
+            raise YattError("the rollout collector has no engine yet: attach_engine() it once started")
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: RolloutEngine) -> None:
+        self._engine = engine
+
+    def attach_engine(self, engine: RolloutEngine, saved_rng: dict | None = None) -> None:
+        """The rollout engine, once started; a resumed run's sampling stream (`saved_rng`, the checkpoint's)
+        goes into it when the checkpoint's engine was of the same kind (engine actors, or in process), so it
+        samples as the uninterrupted run would."""
+        self.engine = engine
+        if saved_rng is None:
+            return
+        if ("pool_calls" in saved_rng) == engine.asynchronous:  # an `EnginePool`'s state holds its call count
+            engine.set_rng_state(saved_rng)
+        else:  # placement.rollout_engines changed between the runs: a legitimate change of placement
+            log.warning(
+                "the checkpoint's sampling stream is that of %s; this run's start a fresh one (its samples "
+                "differ from an uninterrupted run's)",
+                "engine actors" if "pool_calls" in saved_rng else "in-process engines",
+            )
+
     # ---- state across checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, float]:
         return {"keep_rate": self.keep_rate}
+
+    def engine_rng_state(self) -> dict[str, torch.Tensor | None] | None:
+        """The engine's sampling stream, for a checkpoint (None before an engine is attached)."""
+        return None if self._engine is None else self._engine.rng_state()
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Dynamic sampling's keep rate only when dynamic sampling is on (else it would size every draw by a
@@ -109,7 +141,9 @@ class RolloutCollector:
 
     # ---- one step -------------------------------------------------------------------------------------------
     def collect(self, step: int) -> RolloutBatch:
-        """The scored batch of `step` (asynchronous rollout: `collect_started`). Draw, generate and score until the group holds its share of prompt groups; the scored batch.
+        """The scored batch of `step`: draw, generate and score until the group holds its share of prompt
+        groups. Asynchronous rollout (`rollout.max_staleness` = K > 0): the batch of the step started earlier
+        (`collect_started`), then steps step+1 .. step+K start (`_start_ahead`: the look-ahead window).
 
         Every draw starts `ceil(rollout.over_sample x target)` prompts (queue first, then the stream), where
         `target` is what it still needs over the recent keep rate of dynamic sampling (1 without it); the
@@ -121,7 +155,9 @@ class RolloutCollector:
         reads its stream in lockstep (see `yatt_ray.data.feed`).
         """
         if self.config.rollout.max_staleness > 0:
-            return self.collect_started(step)
+            batch = self.collect_started(step)
+            self._start_ahead(step)
+            return batch
         self.step_rows = []
         return self._finish(step, *self._draw_until_full(step))
 
@@ -160,6 +196,15 @@ class RolloutCollector:
         return batch
 
     # ---- asynchronous rollout (rollout.max_staleness > 0; engine actors) ----------------------------------------
+    def _start_ahead(self, step: int) -> None:
+        """The look-ahead window, once step `step` is collected and before it trains: steps step+1 .. step+K
+        (K = `rollout.max_staleness`, up to `train.steps`) start, so the engines generate them while the
+        trainer trains; `collect_started` relies on this schedule for its staleness bound."""
+        last = min(step + self.config.rollout.max_staleness, self.config.train.steps)
+        with self.timer.phase("rollout"):
+            for ahead in range(step + 1, last + 1):
+                self.start(ahead)
+
     def start(self, step: int) -> None:
         """Draw step `step`'s share of prompts and send it to the engine actors now; `collect(step)` gathers it,
         so the engines generate while the trainer trains. The rows stay unconsumed (held in flight) until
@@ -224,9 +269,9 @@ class RolloutCollector:
         """The batch of a step started earlier (or now: a run's first step, the first after a resume): wait for
         its samples (each prompt's streamed to the GenRM as it returns), score, consume, pack. Each sample's
         staleness, the trainer's weight version less the version that generated it, is at most
-        K = `rollout.max_staleness` by construction, so nothing is generated again here: `GroupController`
-        starts step s + K after collecting step s, K weight pushes before training it, with the weight
-        version the controller holds then; an engine never runs a request on weights older than the version
+        K = `rollout.max_staleness` by construction, so nothing is generated again here: `collect` starts
+        step s + K after collecting step s (`_start_ahead`), K weight pushes before training it, with the
+        weight version the controller holds then; an engine never runs a request on weights older than the version
         it asks for (`EngineActor.generate` waits for them), so a request that waited on a busy engine, or
         was resent after an engine died, runs on newer weights, not older. `async/staleness_max` reports it.
         The samples it streamed to the GenRM before this call count in `genrm/ahead` until now, then in
@@ -300,7 +345,7 @@ class RolloutCollector:
         batch.greedy_rewards = greedy
         batch.counters = {
             **self.scorer.take_stats(),
-            **(self.engine.take_stats() if hasattr(self.engine, "take_stats") else {}),  # engine actors
+            **self.engine.take_stats(),  # engine actors' (resent prompts, queue waits); {} in process
             "data/queued_prompts": float(len(self.feed.queue)),
             **({"data/bad_images": float(bad_images)} if self.prompts.layout is not None else {}),
         }
@@ -482,8 +527,9 @@ class RolloutCollector:
             finish_after=need if abort else None,
             wait_for=pinned if abort else frozenset(),
         )
-        completions = self.engine.generate(request, finished if callback else None)
+        results = self.engine.generate(request, finished if callback else None)
         done, aborted = split_finished(order if callback else list(range(len(rows))), len(rows), pinned)
+        completions = {i: c for i in done if (c := results[i]) is not None}  # all of `done`: finished
         groups = [
             Group(rows[i], encoded[i].ids, encoded[i].clipped, completions[i], samples_of(i, completions[i]),
                   streamed=i in streamed, pixels=encoded[i].pixels)
@@ -548,7 +594,7 @@ class RolloutCollector:
         if self.prompts.layout is None:
             return None
         pixels = [p.pixels for p in prompts]
-        if getattr(self.engine, "takes_image_features", False):
+        if self.engine.takes_image_features:
             if self.image_features is None:
                 raise RuntimeError(
                     "the engine takes image features, but the collector was given no policy for them"

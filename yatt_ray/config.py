@@ -60,9 +60,12 @@ class _Section:
 
 @dataclass
 class ModelConfig(_Section):
-    """The policy. `path` is a Hugging Face directory (Llama architecture, or LLaVA: a vision tower and
-    projector in front of a Llama); empty builds the demo model."""
+    """The policy: a Hugging Face directory (`path`; empty builds the demo model) and, for a vision-language
+    policy, which parts of its vision encoder train."""
 
+    # a Hugging Face model directory (config.json, weights, tokenizer) of a supported architecture: Llama,
+    # Mistral, Qwen2 / Qwen2.5, Qwen3, LLaVA with a Llama language model, Qwen2-VL / Qwen2.5-VL; "" (with
+    # data.train_files empty too) builds the demo model (demo.*)
     path: str = ""
     # LLaVA policies: none = the vision tower and projector stay frozen, projector = the projector trains,
     # all = the tower too; the language model always trains
@@ -73,6 +76,8 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Prompt data: parquet or jsonl files (local paths, globs or fsspec URLs); empty generates the demo task."""
 
+    # the training prompts: parquet or jsonl files, local paths, globs or fsspec URLs (s3://...), each with
+    # the columns the *_key settings name; [] (with model.path empty too) generates the demo task
     train_files: list[str] = field(default_factory=list)
     # greedy accuracy at the start and the end; None: the demo's eval set in the demo, none with your own
     # data; [] = no evaluation
@@ -81,16 +86,25 @@ class DataConfig(_Section):
     # dotted key names a field of a struct column (parquet) or a nested object (jsonl), a column whose own
     # name is the whole key winning. A verl-format parquet (verl's GSM8K / MATH preprocessing: prompt,
     # data_source, reward_model {ground_truth}, extra_info {index}) is used as it is with
-    #   data.answer_key=reward_model.ground_truth data.id_key=extra_info.index reward.function=math
+    # `data.answer_key=reward_model.ground_truth data.id_key=extra_info.index reward.function=math`
     prompt_key: str = "prompt"
+    # the column of each row's answer, passed to the reward function as its ground truth (dotted keys as for
+    # prompt_key)
     answer_key: str = "ground_truth"
+    # the column of each row's data source, passed to the reward function (a file without it reads "default")
     source_key: str = "data_source"
+    # the column of each row's id, unique within its file: a checkpoint's data position records ids; a row
+    # without one (no column, a null, -1) is trained again in its epoch after a resume (warned)
     id_key: str = "id"
     # a system message for every prompt ("" = none): a chat prompt without a system message gets it first; a
     # string prompt becomes [system, user] rendered by the tokenizer's chat template (no template: the two
     # joined by a newline)
     system_prompt: str = ""
+    # the longest prompt in tokens (after the chat template): a longer one keeps its last tokens (counted in
+    # prompts_clipped) unless that cuts an image's tokens (a DataError); this plus rollout.max_new_tokens must
+    # fit the model's max_position_embeddings
     max_prompt_tokens: int = 64
+    # the seed of Ray Data's shuffle of the training rows; null: no shuffle, rows in file order
     shuffle_seed: int | None = 0
     # images (vision-language policies): a column holding, per row, a list of {"bytes": ...} or {"path": ...}
     # entries (verl's layout); the prompt holds one <image> placeholder per image
@@ -105,6 +119,8 @@ class DataConfig(_Section):
     # min_pixels <= H x W <= max_pixels, one token per 28 x 28 px (null: the model directory's
     # preprocessor_config.json). LLaVA resizes every image to its tower's size, so these do not apply to it.
     min_pixels: int | None = None
+    # Qwen VL only: the largest image area in pixels (see min_pixels); null: the model's
+    # preprocessor_config.json
     max_pixels: int | None = None
     # a row with more images is bad: skipped and counted (on_bad_image=skip) or the run stops (raise); null = any
     max_images: int | None = None
@@ -114,15 +130,21 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """Generation: engine kind, samples per prompt and sampling parameters."""
 
+    # the generation engine: vllm, hf (Hugging Face generate) or auto: on GPUs vLLM when installed and it
+    # serves the model; on CPUs the faster of the two, timed once per machine, model and rollout shape
+    # (cached); hf when train.tp_size > 1
     engine: EngineKind = "auto"
-    n: int = 8
+    n: int = 8  # samples per prompt (a prompt's group); the group estimators (grpo, rloo, ...) need >= 2
+    # the longest completion in tokens (a sample cut there ends with finish_reason "length")
     max_new_tokens: int = 6
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature, >= 0 (0 = greedy); evaluation always decodes greedily
+    # nucleus sampling: draw from the most likely tokens whose probabilities sum to top_p, in (0, 1] (1 = off)
     top_p: float = 1.0
     weight_sync_bucket_mb: float = 64  # MiB a bucket of a weight push (a larger tensor: a bucket of its own)
     # engine actors (placement.rollout_engines): how weights reach them; auto = the object store on the
     # pusher's node, a broadcast group (gloo / NCCL) to other nodes
     weight_transport: WeightTransport = "auto"
+    # vLLM's KV cache per engine in GiB (on a CPU, resident host memory); the hf engine ignores it
     kv_cache_gb: float = 1.0
     # fixed-length generation for throughput runs: no stop at EOS (or any stop token), every completion runs
     # to max_new_tokens (finish_reason "length"); the tokens after an EOS are scored and trained on as they are
@@ -163,25 +185,39 @@ class GenRMConfig(_Section):
     """
 
     path: str = ""  # Hugging Face directory of the judge; "" with the demo builds the tiny judge
-    template: str = "default"  # "default" = yatt_ray.reward.genrm.DEFAULT_TEMPLATE
+    # the judge prompt: a string with {prompt}, {response}, {ground_truth}, or pkg.mod:fn returning it;
+    # "default" = yatt_ray.reward.genrm.DEFAULT_TEMPLATE
+    template: str = "default"
+    # the judge's text -> a score in [0, 1]: yes_no (first word yes / no), score (first number, in [0, 1] or
+    # out of 10) or pkg.mod:fn (None = unparsable)
     parser: str = "yes_no"
+    # an unparsable verdict (counted in genrm/parse_failures): zero (score 0), rule (the sample's rule reward)
+    # or raise (stop the run)
     on_parse_error: ParseErrorPolicy = "zero"
+    # the judge's engine: vllm, hf or auto (vLLM when installed and it can run the judge, else hf)
     engine: EngineKind = "auto"
     dtype: TrainDtype = "fp32"  # the judge's weights and compute (frozen: bf16 halves its memory on a GPU)
-    max_new_tokens: int = 4
+    max_new_tokens: int = 4  # the longest verdict in tokens (the judge decodes greedily)
     max_prompt_tokens: int = 512  # the rendered judge prompt keeps its last tokens
-    kv_cache_gb: float = 0.5
+    kv_cache_gb: float = 0.5  # vLLM's KV cache per replica in GiB; the hf engine ignores it
     # full: one replica per training accelerator (its group of accelerators_per_replica); partial: `replicas`
     # at start, up to one per training accelerator with the judging load; disaggregated: `replicas` at start,
     # up to `max_replicas` (None = fixed), each on accelerators_per_replica accelerators of its own
     replicas: int = 1
     max_replicas: int | None = None  # disaggregated: autoscale up to this many with the load (None = fixed)
+    # accelerators of one replica; > 1 splits the judge with vLLM's tensor parallelism (engine=vllm, a divisor
+    # of the judge's attention heads)
     accelerators_per_replica: int = 1
+    # the most verdicts a replica generates in one batch (serve.batch); also the autoscaler's target of
+    # requests per replica
     batch_size: int = 64
+    # seconds a replica waits for a batch to fill before it generates a smaller one
     batch_wait_s: float = 0.01
-    timeout_s: float = 60.0  # per request attempt
+    timeout_s: float = 60.0  # seconds a request attempt may take before it is retried
     max_retries: int = 3  # attempts after the first when a replica fails or times out
-    idle_release_s: float = 0.5  # full: a replica sleeps after this long without a batch
+    idle_release_s: float = (
+        0.5  # full: a replica sleeps (releases memory) after this many seconds without a batch
+    )
     http_port: int | None = None  # serve HTTP on 127.0.0.1:<port> too (off by default: handles only)
 
 
@@ -193,35 +229,44 @@ class RewardConfig(_Section):
     raise (stop the run with a RewardError naming the sample) or zero (reward 0, counted in `reward/errors`);
     a return that is not a finite number always raises."""
 
+    # rule: the rule function scores each sample; genrm: the judge (reward.genrm); mix: both, weighted by
+    # genrm_weight
     mode: RewardMode = "rule"
+    # the rule: a built-in (exact_match, prefix_match, repeat_match, gsm8k, math, math_verify) or your
+    # fn(response, ground_truth, data_source) -> float as package.module:function (sync or async)
     function: str = "exact_match"
+    # when the rule function raises on a sample: raise (a RewardError naming the sample) or zero (reward 0,
+    # counted in reward/errors)
     on_error: RewardErrorPolicy = "raise"
-    genrm_weight: float = 0.5
+    genrm_weight: float = 0.5  # mix: the judge's weight w in (1 - w) x rule + w x judge, in [0, 1]
     genrm: GenRMConfig = field(default_factory=GenRMConfig)
 
 
 @dataclass
 class PlacementConfig(_Section):
-    """Where the roles run (yatt_ray/placement.py):
-    full: every role on every accelerator in turn (rollout, then judging, then training);
-    partial (the seed system's partial coexistence): training takes every accelerator; during rollout the
+    """Where the roles run (yatt_ray/placement.py, docs/placement.md):
+
+    - full: every role on every accelerator in turn (rollout, then judging, then training);
+    - partial (the seed system's partial coexistence): training takes every accelerator; during rollout the
       rollout engines and the GenRM replicas share them and work at the same time (samples judged as they
       finish), the replicas following the judging load between `reward.genrm.replicas` and one per training
       accelerator; then both release memory and every accelerator trains;
-    disaggregated: GenRM replicas on accelerators of their own that never train (`reward.genrm.replicas` ..
+    - disaggregated: GenRM replicas on accelerators of their own that never train (`reward.genrm.replicas` ..
       `max_replicas` x `accelerators_per_replica`), judging while rollouts generate; and/or, with
       `rollout_engines` > 0, the rollout engines as actors on accelerators of their own (one each; on CPUs
       `cpus_per_engine` CPUs each) that every controller reaches through one router (rollout/pool.py).
+
     Elsewhere (and with rollout_engines = 0) each controller's engine lives in its own process, beside its
     trainer: the fastest form when the two share an accelerator (weights move in memory)."""
 
-    mode: PlacementMode = "full"
+    mode: PlacementMode = "full"  # full, partial or disaggregated: see above
     rollout_engines: int = 0  # disaggregated: engine actors on accelerators of their own (0: in-process)
     cpus_per_engine: int = 1  # an engine actor's CPUs (its torch threads on a CPU-only cluster)
     genrm_share: float = (
         0.1  # full, partial: the part of each GPU's Ray resource a GenRM replica claims (a token)
     )
-    gpu_memory_gb: float | None = None  # per accelerator; set it to check that the plan fits in memory
+    # GiB of memory of one GPU: the plan's memory estimate per accelerator is checked against it; null: no check
+    gpu_memory_gb: float | None = None
 
 
 @dataclass
@@ -234,20 +279,33 @@ class AlgoConfig(_Section):
     adaptive coefficient when `kl_target` is set).
     """
 
+    # the algorithm and its advantage estimator: grpo, rloo, reinforce_pp, remax (no critic) or ppo (GAE;
+    # needs critic.enable=true)
     name: AlgoName = "grpo"
-    advantage: str = ""  # "" = the estimator of `name`
+    # the advantage estimator by its registry name (gae, grpo, grpo_no_std, rloo, reinforce_pp,
+    # reinforce_pp_baseline, remax); "" = the estimator of `name`
+    advantage: str = ""
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo (set clip_low/high ~3e-4/4e-4) | cispo (clip_low 1)
+    # the importance ratio is clipped to [1 - clip_low, 1 + clip_high]; in [0, 1) (cispo also takes 1: no
+    # lower bound)
     clip_low: float = 0.2
+    # the upper side of the clip, > 0 (a larger value than clip_low is DAPO's clip-higher)
     clip_high: float = 0.2
     dual_clip: float | None = None  # > 1 + clip_high: caps the loss of negative-advantage tokens
+    # the weight of KL(policy || reference), >= 0; 0 turns it off and no reference model is loaded
     kl_coef: float = 0.001
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"  # the per-token KL estimator: k1, k2, k3, or low_var_kl (k3 capped at 10)
+    # false: the KL term is in the loss (GRPO); true: a per-token penalty on the reward (PPO / RLHF)
     kl_in_reward: bool = False
     kl_target: float | None = None  # adaptive coefficient: target KL per response (summed over tokens)
+    # kl_target: the adaptive coefficient changes by at most 20% per this many samples
     kl_horizon: int = 10000
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # the weight of an entropy bonus in the loss (0 = none)
+    # per-token losses -> one number: token-mean (every token of the global batch alike), seq-mean-token-mean
+    # (each sequence alike; original GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO's constant
+    # normaliser)
     loss_agg: str = "token-mean"
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each step's samples (each pass: ppo_mini_batches optimizer steps)
     ppo_mini_batches: int = 1  # optimizer steps per epoch; > 1 lets the PPO clip bind
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
@@ -261,16 +319,16 @@ class AlgoConfig(_Section):
     off_policy: OffPolicy = "none"
     # mis / icepop: tokens whose ratio pi_old / pi_rollout leaves [is_band_low, is_band_high] are masked
     is_band_low: float = 0.5
-    is_band_high: float = 2.0
+    is_band_high: float = 2.0  # the band's upper bound, > 1 (see is_band_low)
     # DAPO's overlong reward shaping: 0 up to rollout.max_new_tokens - overlong_buffer tokens, then linearly down to
     # -overlong_penalty at rollout.max_new_tokens, added to the reward before the advantages (0 = off)
     overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = 1.0  # the penalty at rollout.max_new_tokens, >= 0 (see overlong_buffer)
     # DAPO's dynamic sampling: drop prompt groups whose rewards ("reward") or correctness ("accuracy": reward
     # >= 1) are all equal, and draw more prompts until the group's share is informative, at most max_draws
     # draws a step (then the batch is topped up with dropped groups, with a warning and a counter)
     dynamic_sampling: DynamicSampling = "off"
-    max_draws: int = 4
+    max_draws: int = 4  # dynamic_sampling: the most draws of prompts in one step, >= 1
 
     @property
     def estimator(self) -> str:
@@ -282,9 +340,10 @@ class AlgoConfig(_Section):
 class CriticConfig(_Section):
     """The value model for PPO: a Megatron trunk with a scalar head, colocated with the policy."""
 
+    # train a value model beside the policy: algo.name=ppo (GAE) needs it, the other estimators refuse it
     enable: bool = False
     path: str = ""  # "" = initialise the trunk from model.path; or a directory saved by a previous run
-    lr: float = 1e-3
+    lr: float = 1e-3  # the critic's AdamW learning rate
     value_clip: float | None = 0.2  # PPO value clipping around the old values; None disables
     warmup_steps: int = 0  # steps that train only the critic before the policy starts to move
 
@@ -293,14 +352,25 @@ class CriticConfig(_Section):
 class TrainConfig(_Section):
     """Optimisation and parallelism. `prompts_per_step` counts prompts over all data-parallel groups."""
 
-    steps: int = 80
+    steps: int = 80  # training steps (each: rollout, rewards, advantages, the update, the weight sync)
+    # prompts per step over all data-parallel groups, a multiple of dp_size; each gives rollout.n samples
     prompts_per_step: int = 32
+    # samples in one forward / backward on a rank, rounded down to whole groups of rollout.n (at least one
+    # group); see max_tokens_per_micro_batch
     micro_batch_size: int = 128
-    lr: float = 5e-4
-    weight_decay: float = 0.0
+    lr: float = 5e-4  # the policy's AdamW learning rate (constant)
+    weight_decay: float = 0.0  # AdamW's weight decay (none on 1-D parameters: norm weights, biases)
+    # the largest global gradient norm, larger ones scaled down to it; <= 0: no clipping (grad_norm is
+    # reported either way)
     grad_clip: float = 1.0
+    # data-parallel groups, each with its own controller, prompt stream and rollout engine; training workers =
+    # dp_size x tp_size
     dp_size: int = 1
+    # Megatron tensor parallelism: the workers of one group that split its model (a divisor of the attention
+    # heads; the colocated vLLM engine needs 1)
     tp_size: int = 1
+    # the trainers' random state and the sampling seed (each group's engine: seed + its data-parallel rank);
+    # the demo's data
     seed: int = 0
     max_tokens_per_micro_batch: int | None = None  # dynamic batching by token budget; None = micro_batch_size
     # trainer state to host memory while generating, the engine's KV cache released while training (full
@@ -325,11 +395,16 @@ class TrainConfig(_Section):
 class ClusterConfig(_Section):
     """Where to run. `address` None starts (or joins, under `ray job submit`) a cluster; `use_gpu` None = auto."""
 
+    # the Ray cluster to join ("auto": a `ray start` cluster on this machine, or ray://host:10001); null:
+    # $RAY_ADDRESS when set (as under ray job submit), else a local cluster
     address: str | None = None
     # CPUs (Ray resource and torch / vLLM threads) of each training worker; None = the CPUs of its node shared
     # among the training workers there (`yatt_ray.cluster.resolve_cpus_per_worker`; the plan prints the value)
     cpus_per_worker: int | None = None
+    # train on GPUs; null: when the cluster has one; false trains on CPUs where GPUs exist too
     use_gpu: bool | None = None
+    # seconds the driver and the workers wait on a cluster call (metrics, the GenRM service starting, the
+    # trainers taking their GPUs) before giving up
     timeout_s: float = 600.0
     # how Ray Train places the training workers over the nodes: PACK (as few nodes as possible) or SPREAD (as
     # many as possible); checked in placement.plan_placement
@@ -345,20 +420,26 @@ class OutputConfig(_Section):
 
     `mlflow` / `wandb` also send every metric row and the config (as params) to MLflow / Weights & Biases
     (`yatt_ray.metrics.sinks.MlflowSink`, `WandbSink`; `pip install mlflow-skinny` / `pip install wandb`).
-    `mlflow_tracking_uri` "" = $MLFLOW_TRACKING_URI, else the file store `file:<run output folder>/mlruns`.
+    `mlflow_tracking_uri` "" = $MLFLOW_TRACKING_URI, else the file store `file:<output.dir>/mlruns`.
     `wandb_mode` "" = W&B's own default ($WANDB_MODE, else "online", which needs `wandb login`); "offline"
     writes `<run output folder>/wandb/offline-run-*` for a later `wandb sync`; "disabled" logs nothing.
     """
 
+    # each run writes a fresh timestamped folder under it: config.yaml, metrics.jsonl, TensorBoard events,
+    # plots, startup.json, and checkpoints (checkpoint.dir empty)
     dir: str = "runs/grpo"
-    tensorboard: bool = True
+    tensorboard: bool = True  # write TensorBoard events to <run folder>/tensorboard
+    # draw reward.png (reward and accuracy against step) and timeline.png (phases per accelerator) in the run
+    # folder
     plot: bool = True
-    progress: bool = True
-    mlflow: bool = False
+    progress: bool = True  # a progress bar of the steps on the driver's console
+    mlflow: bool = False  # also log the metrics and the config to MLflow (pip install mlflow-skinny)
+    # "" = $MLFLOW_TRACKING_URI, else the file store file:<output.dir>/mlruns that the runs under output.dir
+    # share
     mlflow_tracking_uri: str = ""
-    mlflow_experiment: str = "yatt_ray"
-    wandb: bool = False
-    wandb_project: str = "yatt_ray"
+    mlflow_experiment: str = "yatt_ray"  # the MLflow experiment; each run is named after its folder
+    wandb: bool = False  # also log the metrics and the config to Weights & Biases (pip install wandb)
+    wandb_project: str = "yatt_ray"  # the W&B project; each run is named after its folder
     wandb_entity: str = ""  # "" = the logged-in user's default entity
     wandb_mode: WandbMode = ""  # "": W&B's own default ($WANDB_MODE, else online)
     # false: the console shows the plan, the progress bar, the final report, warnings and errors (Ray's, Ray
@@ -368,7 +449,7 @@ class OutputConfig(_Section):
 
 @dataclass
 class CheckpointConfig(_Section):
-    """Checkpoints: where, how often, what to keep, and how a run resumes (see README, "Checkpoints and resume").
+    """Checkpoints: where, how often, what to keep, and how a run resumes (docs/checkpoints.md).
 
     `dir` is a local path or any fsspec URL ("" = `<run output folder>/checkpoints`). A save is due every
     `every_steps` steps or every `every_minutes` minutes (null turns a rule off), on SIGTERM to the driver or a
@@ -382,18 +463,24 @@ class CheckpointConfig(_Section):
     policy (`Result.checkpoint_path`) is still written.
     """
 
-    enable: bool = True
-    dir: str = ""
-    every_steps: int | None = 50
+    enable: bool = True  # false: no checkpoints at all (see above); the final policy is still written
+    dir: str = ""  # a local path or an fsspec URL (s3://, gs://, ...); "" = <run folder>/checkpoints
+    every_steps: int | None = 50  # save when the step crosses a multiple of this; null: by time only
+    # save once this many minutes passed since the last save; null: by steps only
     every_minutes: float | None = 30.0
+    # the newest checkpoints kept, >= 1; older ones are deleted unless keep_every keeps them
     keep_last: int = 3
+    # also keep every checkpoint whose step is a multiple of this; null: no such rule
     keep_every: int | None = None
+    # SIGTERM or Ctrl-C to the driver: save after this step and stop (a second Ctrl-C aborts at once)
     on_sigterm: bool = True
+    # Ray Train's notice that a node will be reclaimed: one save after this step, to restart from
     on_preemption: bool = True
-    at_end: bool = True
+    at_end: bool = True  # save after the last step (or a stop), unless that step was just saved
+    # the first start: auto, never, or a checkpoint folder / URL of an earlier run (see above)
     resume: str = "auto"
     export_hf_every: int | None = None  # also write the policy as a HF directory every N steps
-    export_hf_steps: list[int] = field(default_factory=list)  # ... and at these steps
+    export_hf_steps: list[int] = field(default_factory=list)  # also write it at these steps
     max_failures: int = 3  # Ray Train restarts after a worker failure (resuming from the latest checkpoint)
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options (S3 endpoint, keys, ...)
     log_prompt_ids: bool = False  # write each step's prompt ids under `dir`/prompt_ids (audits, drills)
@@ -403,13 +490,20 @@ class CheckpointConfig(_Section):
 class DemoConfig(_Section):
     """The embedded default task: supervised warm-up steps for the tiny model and the task's size."""
 
-    task: DemoTask = "arithmetic"  # longtail: copy strings of heavy-tailed length (yatt_ray.tasks.longtail)
+    # arithmetic: a + b; longtail: copy strings of heavy-tailed length (yatt_ray.tasks.longtail); vision: add
+    # the numbers drawn in the prompt's image, for a vision-language policy (yatt_ray.tasks.visual)
+    task: DemoTask = "arithmetic"
     vision_model: VisionDemoModel = "llava"  # task=vision: the tiny LLaVA, or the tiny Qwen2.5-VL
+    # supervised warm-up steps of the demo policy before RL (cached per demo.* values in $YATT_RAY_CACHE,
+    # default ~/.cache/yatt_ray)
     sft_steps: int = 250
-    judge_sft_steps: int = 800  # the demo GenRM judge (built only when reward.mode uses a GenRM)
+    judge_sft_steps: int = (
+        800  # supervised steps of the demo judge (built only when reward.mode uses a GenRM)
+    )
+    # arithmetic: operands are drawn from 0 .. max_operand (the demo judge learns the same range)
     max_operand: int = 19
-    train_prompts: int = 4096
-    eval_prompts: int = 128
+    train_prompts: int = 4096  # rows of the demo's training file
+    eval_prompts: int = 128  # rows of the demo's eval set (used when data.eval_files is null)
 
 
 @dataclass
@@ -840,3 +934,11 @@ def _cross_section_errors(config: Config) -> list[str]:
         except ConfigError as exc:
             errors.append(str(exc))
     return errors
+
+
+if __name__ == "__main__":  # python -m yatt_ray.config --reference: the Markdown of docs/configuration.md
+    import sys
+
+    from yatt_ray.config_reference import main
+
+    sys.exit(main(sys.argv[1:]))

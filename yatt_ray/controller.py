@@ -12,7 +12,6 @@ metric reduction. Only scalar metrics leave the workers (through the MetricsHub 
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import time
@@ -36,6 +35,7 @@ from yatt_ray.metrics.history import RowKind
 from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator, to_wire
 from yatt_ray.metrics.timers import PhaseTimer
 from yatt_ray.roles import Layout, Roles, build_roles, start_engine
+from yatt_ray.rollout.base import RolloutEngine
 from yatt_ray.step import (
     compute_advantages,
     is_on_policy,
@@ -45,8 +45,6 @@ from yatt_ray.step import (
     zero_gradient_rows,
 )
 from yatt_ray.train.micro_batches import keep_one_group, mini_batch_rows
-
-log = logging.getLogger(__name__)
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -68,12 +66,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
         controller = GroupController(config, layout, roles)
         controller.open_checkpoints(loop_config)  # the prompt streams start reading here ...
         mark("data_opened")
+        handles = loop_config.get("engines")  # the engine actors' (None: each controller's engine in process)
         engine = None
         if layout.is_controller:
-            engine = start_engine(
-                config, layout, roles.policy, loop_config.get("engines"), controller.attempt
-            )
-        controller.attach_engine(engine)
+            engine = start_engine(config, layout, roles.policy, handles, controller.attempt)
+        controller.attach_engine(engine, engine_actors=handles is not None)
         mark("engine_started")  # ... while the engine loads
         controller.run()
 
@@ -124,7 +121,9 @@ class GroupController:
                 reward_fn=roles.reward_fn, timer=self.timer, recorder=self.recorder, dp_group=self.dp_group,
                 image_features=getattr(self.policy, "image_features", None),
             )  # fmt: skip
-            self.collector.engine = roles.engine
+            if roles.engine is not None:
+                self.collector.attach_engine(roles.engine)
+        self.engine_actors = False  # the rollout engines are actors of their own (`attach_engine`)
 
     def open_checkpoints(self, loop_config: dict) -> None:
         """Resume from the newest valid checkpoint (or start fresh), then open the prompt streams there."""
@@ -156,27 +155,18 @@ class GroupController:
         if self.collector is not None:
             self.collector.load_state_dict({"keep_rate": resumed.keep_rate})
 
-    def attach_engine(self, engine) -> None:
+    def attach_engine(self, engine: RolloutEngine | None, engine_actors: bool = False) -> None:
         """The controller's rollout engine (None on other ranks), started once the prompt streams opened; a
-        resumed run's policy weights and sampling stream go into it. Collective over the tensor-parallel group
+        resumed run's policy weights and sampling stream go into it. `engine_actors`: the engines are actors
+        of their own (`rollout/pool.py`; the same on every rank). Collective over the tensor-parallel group
         (the weight sync)."""
+        self.engine_actors = engine_actors
         if engine is not None and self.collector is not None:
-            self.collector.engine = engine
+            saved = None if self.resumed is None else self.resumed.engine_rng
+            self.collector.attach_engine(engine, saved)
         # engine actors outlive a restart of the workers: they hold the failed attempt's weights
-        restarted_pool = self.config.placement.rollout_engines > 0 and self.attempt > 1
-        if self.resumed is None and not restarted_pool:
-            return
-        saved = None if self.resumed is None else self.resumed.engine_rng
-        if engine is not None and saved is not None:
-            if ("pool_calls" in saved) == hasattr(engine, "submit"):
-                engine.set_rng_state(saved)  # samples as the uninterrupted run would
-            else:  # placement.rollout_engines changed between the runs: a legitimate change of placement
-                log.warning(
-                    "the checkpoint's sampling stream is that of %s; this run's start a fresh one (its samples "
-                    "differ from an uninterrupted run's)",
-                    "engine actors" if "pool_calls" in saved else "in-process engines",
-                )
-        self.sync_weights()  # the rollout engine generates with the restored policy
+        if self.resumed is not None or (engine_actors and self.attempt > 1):
+            self.sync_weights()  # the rollout engine generates with the restored policy
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -221,11 +211,7 @@ class GroupController:
         if self.offload:
             with timer.phase("offload"):
                 self._move_trainers("offload")
-        scored = self._collect(step) if self.collector is not None else None
-        if self.collector is not None and cfg.rollout.max_staleness > 0:  # generating while this step trains
-            with timer.phase("rollout"):
-                for ahead in range(step + 1, min(step + cfg.rollout.max_staleness, cfg.train.steps) + 1):
-                    self.collector.start(ahead)
+        scored = self._collect(step) if self.collector is not None else None  # (and starts the steps ahead)
         if not self.layout.is_controller:  # the group's controller generates; this rank waits for its batch
             with timer.phase("rollout", busy=False), timer.phase("reward", busy=False):
                 pass
@@ -262,8 +248,9 @@ class GroupController:
         return metrics
 
     def _collect(self, step: int) -> RolloutBatch:
-        """The collector's scored batch; in full coexistence the engine then sleeps, its memory going to the
-        trainer while it trains (the bytes freed join the batch's counters)."""
+        """The collector's scored batch (with asynchronous rollout, the collector then starts the steps ahead);
+        in full coexistence the engine then sleeps, its memory going to the trainer while it trains (the bytes
+        freed join the batch's counters)."""
         assert self.collector is not None
         batch = self.collector.collect(step)
         if self.offload:
@@ -420,7 +407,7 @@ class GroupController:
         any controller asks for the new version (the engines apply them between requests)."""
         bucket_bytes = int(self.config.rollout.weight_sync_bucket_mb * 2**20)
         engine = None if self.collector is None else self.collector.engine
-        pooled = self.config.placement.rollout_engines > 0
+        pooled = self.engine_actors
         if not pooled or self.layout.dp_rank == 0:
             for bucket in self.policy.iter_hf_buckets(bucket_bytes):
                 if engine is not None:

@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Result:
-    """What a run returns: the per-step metrics history, the final checkpoint location and output folder."""
+    """What a run returns: the per-step metrics history, the final checkpoint location and output folder.
+
+    Shown in a notebook (or printed) it is a short summary: the steps trained, the last step's reward and
+    accuracy, the eval accuracy before and after RL when there is an eval set, the final checkpoint and the run
+    folder. `history_frame()` is every metric as a pandas DataFrame, one row per step; `config` is the resolved
+    config the run used (also in `<output_dir>/config.yaml`, `read_run_config`)."""
 
     history: list[dict[str, float]] = field(default_factory=list)
     checkpoint_path: str | None = None
@@ -36,10 +41,101 @@ class Result:
     stopped: str | None = (
         None  # why the run saved and stopped before train.steps ("SIGTERM", "SIGINT"), else None
     )
+    config: Config | None = None  # the resolved, frozen config of the run (what config.yaml holds)
 
     def metric(self, key: str) -> list[float]:
         """The values of `key` over the training steps (rows that carry it), in step order."""
         return [row[key] for row in self.history if key in row]
+
+    def history_frame(self) -> Any:
+        """The history as a pandas DataFrame: one row per step (index "step", ascending), a column per metric.
+
+        The rows the run recorded for one step (its training row, its idle-time row, an evaluation at step 0
+        or at the last step, a checkpoint event) are merged into that step's row; a metric a step has no
+        value for is NaN."""
+        import pandas as pd
+
+        by_step: dict[int, dict[str, float]] = {}
+        for row in self.history:
+            values = {k: v for k, v in row.items() if k != "step"}
+            by_step.setdefault(int(row.get("step", 0)), {}).update(values)
+        train = [k for row in self.history if "reward_mean" in row for k in row]  # the training metrics first
+        columns = [
+            k for k in dict.fromkeys([*train, *(k for row in self.history for k in row)]) if k != "step"
+        ]
+        frame = pd.DataFrame.from_dict(by_step, orient="index", columns=columns or None).sort_index()
+        frame.index.name = "step"
+        return frame
+
+    def summary(self) -> dict[str, Any]:
+        """The figures the notebook view shows, by name (absent ones left out)."""
+        train = [row for row in self.history if "reward_mean" in row]
+        out: dict[str, Any] = {"steps": int(train[-1].get("step", len(train))) if train else 0}
+        if self.config is not None:
+            out["steps"] = f"{out['steps']}/{self.config.train.steps}"
+        for key in ("reward_mean", "accuracy"):
+            if train and key in train[-1]:
+                out[key] = round(train[-1][key], 4)
+        evals = self.metric("eval/accuracy")
+        if evals:
+            out["eval/accuracy"] = (
+                f"{evals[0]:.4g} -> {evals[-1]:.4g}" if len(evals) > 1 else round(evals[0], 4)
+            )
+        if self.stopped:
+            out["stopped"] = self.stopped
+        if self.steps_redone:
+            out["steps_redone"] = self.steps_redone
+        out["checkpoint_path"] = self.checkpoint_path
+        out["output_dir"] = self.output_dir
+        return out
+
+    def __repr__(self) -> str:
+        figures = ", ".join(
+            f"{k}={v!r}" if isinstance(v, str | None) else f"{k}={v}" for k, v in self.summary().items()
+        )
+        return f"Result({figures})"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        cells = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+            f"<code>{html.escape(str(v))}</code></td></tr>"
+            for k, v in self.summary().items()
+        )
+        return (
+            f"<b>yatt_ray.Result</b><table>{cells}</table>"
+            "<small>every metric by step: <code>result.history_frame()</code></small>"
+        )
+
+
+CONFIG_FILE = "config.yaml"  # the run folder's resolved config (`write_run_config`)
+REDACTED = "<redacted>"
+
+
+def write_run_config(config: Config, output_dir: str | Path) -> Path:
+    """Write the resolved config to `<output_dir>/config.yaml` (YAML, the sections in the config's order) and
+    return its path. The values under `checkpoint.storage_options` (fsspec keys and secrets) are written as
+    "<redacted>", as the MLflow / W&B params are. fit() writes it once, at the start of the run, into the run's
+    own fresh folder: a later run, a resumed one included, writes its own folder, never this file. Given back as
+    `--config`, the file repeats the run (its `checkpoint.dir` included, so `checkpoint.resume=auto` continues
+    from that run's checkpoints)."""
+    import yaml
+
+    data = config.to_dict()
+    options = data["checkpoint"]["storage_options"]
+    data["checkpoint"]["storage_options"] = dict.fromkeys(options, REDACTED)
+    path = Path(output_dir) / CONFIG_FILE
+    header = "# this run's resolved config, written by yatt_ray.fit (yatt_ray.fit.read_run_config reads it)\n"
+    path.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+    return path
+
+
+def read_run_config(run_dir: str | Path) -> Config:
+    """The config a run folder's config.yaml holds (`write_run_config`), as a Config (not validated)."""
+    import yaml
+
+    return Config.from_dict(yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text()))
 
 
 def fit(config: Config | dict | str | Path | None = None, overrides: list[str] | None = None) -> Result:
@@ -82,6 +178,7 @@ def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startu
     engine = _resolve_engine(config, plan, real_gpus)  # on CPUs "auto" may time both engines (cached)
     validate(config)  # the resolved config (paths, demo inputs, engine, checkpoint dir) is valid too ...
     config.freeze()  # ... and from here on read-only: the workers and GenRM replicas get exactly this
+    write_run_config(config, output_dir)  # config.yaml: once, in this run's own folder
     print(plan.describe() + f"\n  rollout engine: {engine}", flush=True)
     if not real_gpus:
         print("  " + _kernels(config, plan.cpus_per_worker), flush=True)
@@ -141,8 +238,9 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     from yatt_ray.data import check_sources
     from yatt_ray.data.sources import first_row
     from yatt_ray.model_dir import is_vision_model
+    from yatt_ray.model_shape import LlamaShape
     from yatt_ray.reward.rules import check_reward_fn, resolve_reward_fn
-    from yatt_ray.train.hf_convert import LlamaShape, check_tp_size
+    from yatt_ray.train.hf_convert import check_tp_size
 
     shape = LlamaShape.from_hf_dir(config.model.path)
     images = is_vision_model(config.model.path)
@@ -274,10 +372,9 @@ def _check_judge(config: Config) -> None:
 
 def _kernels(config: Config, cpus_per_worker: int) -> str:
     """The CPU kernels the workers will run and the matmul peak their MFU is measured against, measured here once
-    per machine and shape (`train.kernels`, `metrics.flops.cpu_peak`): on a one-machine cluster the workers find
+    per machine and shape (`train.kernel_timing`, `cpu_peak`): on a one-machine cluster the workers find
     the results in the cache; on others each machine measures its own."""
-    from yatt_ray.metrics.flops import cpu_peak
-    from yatt_ray.train.kernels import kernels_for
+    from yatt_ray.train.kernel_timing import cpu_peak, kernels_for
     from yatt_ray.train.trainer_base import DTYPES
 
     choice = kernels_for(config.model.path, cpus_per_worker, config.train.dtype)
@@ -359,7 +456,7 @@ def _resolve_engine(config: Config, plan, on_gpu: bool) -> str:
     shape = None
     if not on_gpu:
         from yatt_ray.roles import engine_kwargs
-        from yatt_ray.train.kernels import kernels_for
+        from yatt_ray.train.kernel_timing import kernels_for
 
         if plan.engines is not None:
             threads = plan.engines.cpus  # an engine actor's torch threads (`rollout.pool.EngineActor`)
@@ -377,11 +474,16 @@ def _check_checkpoints(config: Config, output_dir: Path) -> str:
     """Where checkpoints go, checked before any cluster work: the store takes a write and the checkpoint to
     resume from verifies (`checkpoint.driver.check_checkpoints`). Nothing with `checkpoint.enable=false`."""
     from yatt_ray.checkpoint.driver import check_checkpoints, resolve_checkpoint_dir
+    from yatt_ray.data.sources import check_position
 
     if not config.checkpoint.enable:
         return "checkpoints: off (checkpoint.enable=false): no saves, no resume"
     resolve_checkpoint_dir(config, output_dir)
-    return check_checkpoints(config, timeout_s=min(60.0, config.cluster.timeout_s))
+    return check_checkpoints(
+        config,
+        timeout_s=min(60.0, config.cluster.timeout_s),
+        check_position=lambda position, where: check_position(position, config.data, where),
+    )
 
 
 def _run(
@@ -473,6 +575,7 @@ def _follow(
         steps_redone=redone,
         rollout_engine=config.rollout.engine,
         stopped=stopped,
+        config=config,
     )
 
 
@@ -510,10 +613,10 @@ def _trainer(
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from yatt_ray.cluster import cpu_env
     from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
+    from yatt_ray.host_memory import cpu_env
     from yatt_ray.model_dir import is_vision_model
     from yatt_ray.rendezvous import WorldConfig
 

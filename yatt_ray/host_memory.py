@@ -12,6 +12,9 @@ cache) calls `release_freed_memory` after freeing, so that the memory does leave
 
 Both are glibc calls through ctypes (`mallopt`, `malloc_trim`); off glibc (musl, macOS) they change nothing
 and return False.
+
+MKL's own memory manager is off in every process of a job (`CPU_ENV`, `cpu_env()`: the environment the driver,
+the local node, a joined cluster's runtime env and Ray Train's workers start with; `cluster.connect`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 # mallopt parameters (glibc malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -47,3 +51,18 @@ def release_freed_memory() -> bool:
     """Return the free memory of every malloc arena to the system (`malloc_trim(0)`); True if any was."""
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+# MKL's memory manager keeps each thread's GEMM packing buffers for the life of the process, and where they
+# land against the operands decides how fast every later GEMM runs: one 34M-parameter train step, alone in
+# one process on a 2-core AVX2 EPYC, took 3.58-4.30 s from process to process (each steady within itself)
+# and 4.52-4.66 s in every process with address randomisation off; with the manager off (buffers from malloc
+# at each call) 3.52-3.57 s, and 3.91-3.94 s without randomisation (docs/performance-history.md, 2026-12-06).
+CPU_ENV = {"MKL_DISABLE_FAST_MM": "1"}
+
+
+def cpu_env() -> dict[str, str]:
+    """Environment variables for the CPU math of every process of a job (`CPU_ENV`: MKL's memory manager off),
+    each with this process's value where it has one. MKL reads it when a process first calls it, so it goes
+    into the environment a worker starts with."""
+    return {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from yatt_ray.errors import ConfigError
+from yatt_ray.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    import torch
+
     from yatt_ray.batch import Pixels
 
 IMAGE_PLACEHOLDER = "<image>"  # the data's placeholder (yatt_ray.data.images); LLaVA's image token's text
@@ -72,6 +75,30 @@ def qwen_vl_config(config: Any):
     return cls(**{k: v for k, v in config.items() if k != "model_type"})
 
 
+def text_config_dict(cfg: dict) -> tuple[dict, tuple[int, int, int]]:
+    """A Qwen VL config.json dict -> (its language model as a plain `qwen2` config dict, mrope_section).
+
+    Reads both layouts: transformers 5's `text_config`, and the older flat one (text keys at the top level,
+    `rope_scaling: {"type": "mrope", "mrope_section": [...]}`) that hub checkpoints were saved with."""
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.get("mrope_section")
+    if section is None or len(section) != 3:
+        raise ConfigError(
+            f"a {cfg.get('model_type')} config without a 3-part rope mrope_section ({rope}); the checkpoint's "
+            "config.json should carry text_config.rope_parameters.mrope_section (e.g. [16, 24, 24])"
+        )
+    theta = float(rope.get("rope_theta") or text.get("rope_theta") or 1000000.0)
+    text.pop("rope_scaling", None)
+    text.update(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+    )
+    return text, (int(section[0]), int(section[1]), int(section[2]))
+
+
 # ---------------------------------------------------------------------------------------------- LLaVA
 def llava_config(config: Any):
     """A transformers `LlavaConfig` from a parsed config.json dict, a `LlavaConfig`, or a model directory."""
@@ -114,6 +141,27 @@ def tokens_per_image(config: Any) -> int:
     return patches + (1 if cfg.vision_feature_select_strategy == "full" else 0)
 
 
+def llava_module_name(name: str) -> str:
+    """The `LlavaForConditionalGeneration.state_dict()` name (transformers 5) of a weight named as in a
+    checkpoint (either layout, hub `vision_tower.vision_model.*` included) or as in `LlamaForCausalLM`
+    (`model.layers.0...` -> `model.language_model.layers.0...`): what an engine needs for a weight sync."""
+    renames = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.vision_model.", "model.vision_tower."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
+    if name.startswith(("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")):
+        return name
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    if name.startswith("model."):  # a Llama name: the language model's body
+        return "model.language_model." + name[len("model.") :]
+    return name  # lm_head.* and anything else: unchanged
+
+
 # ---------------------------------------------------------------------------------------------- images
 @dataclass(frozen=True)
 class ImageLayout:
@@ -153,3 +201,93 @@ class ImageLayout:
         if pixels.grid is None:
             return [self.tokens_per_image] * pixels.count
         return (pixels.grid.prod(-1) // self.merge**2).tolist()
+
+
+# ---------------------------------------------------------------------------------------------- image tokens
+def image_token_runs(ids: Sequence[int] | torch.Tensor, image_token_id: int) -> list[int]:
+    """The lengths of the runs of `image_token_id` in `ids`, in order (an image's tokens are consecutive: a
+    LLaVA image one run of `tokens_per_image`, or several images back to back one longer run; a Qwen VL image
+    one run of its own between `<|vision_start|>` and `<|vision_end|>`)."""
+    seq = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    runs: list[int] = []
+    for i, t in enumerate(seq):
+        if t == image_token_id:
+            if i > 0 and seq[i - 1] == image_token_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+    return runs
+
+
+def expand_image_tokens(
+    ids: list[int], image_token_id: int, tokens_per_image: int | list[int], num_images: int | None = None
+) -> list[int]:
+    """Each `image_token_id` in `ids` (one placeholder per image) becomes `tokens_per_image` copies, as
+    transformers' `LlavaProcessor` expands `<image>` (a list: image k's own count, as Qwen VL's processor
+    expands `<|image_pad|>` by its grid); other ids are kept in order.
+
+    len(result) = len(ids) + (tokens_per_image - 1) * ids.count(image_token_id). With `num_images`, first
+    checks that the placeholders number exactly `num_images` (DataError otherwise), which also catches ids
+    that were expanded already.
+    """
+    if isinstance(tokens_per_image, list):
+        counts = tokens_per_image
+        num_images = len(counts)
+    else:
+        counts = [tokens_per_image] * ids.count(image_token_id)
+    if any(c < 1 for c in counts):
+        raise ConfigError(f"tokens_per_image={tokens_per_image} must be >= 1")
+    if num_images is not None:
+        check_image_count(ids, num_images, image_token_id, tokens_per_image=1)
+    out: list[int] = []
+    image = iter(counts)
+    for t in ids:
+        out.extend([t] * next(image) if t == image_token_id else (t,))
+    return out
+
+
+def check_image_count(
+    ids: Sequence[int] | torch.Tensor, num_images: int, image_token_id: int, tokens_per_image: int
+) -> None:
+    """Raise DataError unless `ids` hold exactly `num_images * tokens_per_image` image tokens, in runs whose
+    lengths are multiples of `tokens_per_image` (an image's tokens are consecutive).
+
+    `tokens_per_image=1` checks placeholders before `expand_image_tokens`; the model's value checks the
+    expanded ids that the engine and the trainer see.
+    """
+    runs = image_token_runs(ids, image_token_id)
+    found = sum(runs)
+    what = "placeholders" if tokens_per_image == 1 else f"image tokens ({tokens_per_image} per image)"
+    if found != num_images * tokens_per_image:
+        raise DataError(
+            f"the prompt holds {found} {what} (id {image_token_id}) but {num_images} image(s) came with it, "
+            f"which need {num_images * tokens_per_image}: put one `<image>` per image in the prompt text, and "
+            "expand the ids once (expand_image_tokens) before generation and training"
+        )
+    bad = [r for r in runs if r % tokens_per_image]
+    if bad:
+        raise DataError(
+            f"image-token runs of lengths {bad} are not multiples of tokens_per_image={tokens_per_image}: an "
+            "image's tokens were cut (a prompt clipped inside an image?); clip prompts outside image tokens"
+        )
+
+
+def check_image_runs(prompt: list[int], pixels: Pixels | None, image_token_id: int, merge: int) -> None:
+    """DataError unless the runs of `image_token_id` in `prompt` are, in order, one per image of
+    `pixels.grid` [I, 3], of t*h*w / merge^2 tokens each (h and w multiples of `merge`)."""
+    runs = image_token_runs(prompt, image_token_id)
+    grids = [] if pixels is None or pixels.grid is None else pixels.grid.long().tolist()
+    odd = [g for g in grids if g[1] % merge or g[2] % merge]
+    if odd:
+        raise DataError(
+            f"image grid(s) {odd} (t, h, w patches) are not multiples of the merge size {merge} in h and w: "
+            "pass image_grid_thw from the model's own image processor"
+        )
+    need = [t * h * w // merge**2 for t, h, w in grids]
+    if runs != need:
+        raise DataError(
+            f"the prompt holds image-token runs (id {image_token_id}) of {runs} tokens ({sum(runs)} in all), "
+            f"but its {len(grids)} image(s) of grid {grids} need runs of {need} (t*h*w / {merge}^2 each, "
+            f"{sum(need)} in all): put one image placeholder per image in the prompt, expand each to its "
+            "image's tokens (prompts.PromptEncoder does) and pass the pixels and grid of those same images"
+        )

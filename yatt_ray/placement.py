@@ -241,7 +241,7 @@ def plan_placement(
 
     `cluster.cpus_per_worker` is the driver's resolved value (`cluster.resolve_cpus_per_worker`); left None
     (a plan computed without a connected cluster), it is the cluster's CPUs less the data tasks' share, shared
-    among the training workers and GenRM replicas (`cluster.shared_cpus`)."""
+    among the training workers and GenRM replicas (`shared_cpus`)."""
     use_gpu = config.cluster.use_gpu
     if use_gpu is None:
         use_gpu = cluster.get("GPU", 0.0) >= 1
@@ -262,8 +262,6 @@ def plan_placement(
     share = config.placement.genrm_share if (use_gpu and with_genrm and mode != "disaggregated") else 0.0
     cpus = config.cluster.cpus_per_worker
     if cpus is None:
-        from yatt_ray.cluster import shared_cpus
-
         replicas = genrm_replica_count(config, use_gpu) if with_genrm else 0
         free = cluster.get("CPU", 0.0) - DATA_CPUS - engines * config.placement.cpus_per_engine
         cpus = shared_cpus(free, config.train.dp_size * config.train.tp_size + replicas)
@@ -389,9 +387,14 @@ def _check_memory(plan: PlacementPlan, config: Config, sizes: ModelSizes, have_g
             )
 
 
+def shared_cpus(cpus: float, workers: int) -> int:
+    """floor(cpus / workers), at least 1."""
+    return max(1, int(cpus // max(workers, 1)))
+
+
 def param_count(model_dir: str) -> int:
     """Parameters of the Llama-style model in `model_dir`, from its config.json (no weights read)."""
-    from yatt_ray.train.hf_convert import LlamaShape
+    from yatt_ray.model_shape import LlamaShape
 
     s = LlamaShape.from_hf_dir(model_dir)
     kv = 2 * s.num_kv_heads * s.head_dim * s.hidden_size

@@ -26,8 +26,7 @@ import torch
 from yatt_ray.batch import Pixels
 from yatt_ray.data.images import GRID, IMAGE_PLACEHOLDER, PIXELS, prompt_text
 from yatt_ray.errors import DataError
-from yatt_ray.model_dir import ImageLayout
-from yatt_ray.train.vision import expand_image_tokens
+from yatt_ray.model_dir import ImageLayout, expand_image_tokens
 
 
 @dataclass(frozen=True)

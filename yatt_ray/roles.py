@@ -20,6 +20,7 @@ from yatt_ray.metrics.hub import HubLink
 
 if TYPE_CHECKING:
     from yatt_ray.data.eval_rows import EvalRows
+    from yatt_ray.rollout.base import RolloutEngine
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Roles:
     policy: Any  # MegatronPolicy: log_probs, train_step, iter_hf_buckets, offload / onload, save_hf
     critic: Any | None  # MegatronCritic (PPO) or None
     hub: HubLink  # metrics rows and timeline spans to the driver
-    engine: Any | None = None  # RolloutEngine (yatt_ray.rollout.base)
+    engine: RolloutEngine | None = None
     scorer: Any | None = None  # RewardScorer
     tokenizer: Any | None = None  # the policy's Hugging Face tokenizer
     reward_fn: Callable | None = None  # the rule function (evaluation scores with it)
@@ -74,7 +75,8 @@ def build_roles(
 
     quiet_worker(config.output.verbose)  # before Megatron and vLLM are imported
     from yatt_ray.train import MegatronCritic, MegatronPolicy, apply_cpu_shims
-    from yatt_ray.train.kernels import apply_kernels, kernels_for
+    from yatt_ray.train.kernel_timing import kernels_for
+    from yatt_ray.train.kernels import apply_kernels
     from yatt_ray.train.megatron_import import import_megatron
 
     threads = max(1, config.cluster.cpus_per_worker or 1)  # resolved by the driver; the vLLM engine keeps it
@@ -115,8 +117,9 @@ def _register_perf_model(config: Config, threads: int) -> None:
     """The model FLOPs and accelerator peak this worker's step metrics report MFU against (`perf/*`,
     `yatt_ray.metrics.flops`); on the CPU the peak is measured here once (~0.3 s of fp32 matmuls). The trainer
     runs in `train.dtype`."""
-    from yatt_ray.metrics.flops import register_perf_model, worker_perf_model
-    from yatt_ray.train.hf_convert import LlamaShape
+    from yatt_ray.metrics.flops import register_perf_model
+    from yatt_ray.model_shape import LlamaShape
+    from yatt_ray.train.kernel_timing import worker_perf_model
 
     shape = LlamaShape.from_hf_dir(config.model.path)
     from yatt_ray.train.trainer_base import DTYPES
@@ -162,7 +165,9 @@ def engine_kwargs(config: Config, seed: int) -> dict[str, Any]:
     }
 
 
-def start_engine(config: Config, layout: Layout, policy: Any = None, pool: Any = None, attempt: int = 1):
+def start_engine(
+    config: Config, layout: Layout, policy: Any = None, pool: Any = None, attempt: int = 1
+) -> RolloutEngine:
     """The controller's rollout engine (a `RolloutEngine`), in the trainer's dtype. Started after the prompt
     streams opened, so Ray Data's first read runs while the engine loads (`yatt_ray.metrics.startup`).
 

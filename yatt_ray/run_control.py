@@ -110,7 +110,7 @@ class RunControl:
 class RunActor(MetricsHub, RunControl):
     """`MetricsHub` and `RunControl` in one actor: one process, not two. An idle Ray actor is not free on a
     small machine: its core worker wakes about 150 times a second (a signal check every 10 ms), and on two
-    cores every wake-up stalls the trainer's GEMM threads (README, "Against TRL")."""
+    cores every wake-up stalls the trainer's GEMM threads (docs/performance.md, "Against TRL")."""
 
     def __init__(self) -> None:
         MetricsHub.__init__(self)

@@ -142,35 +142,11 @@ def policy_loss_fn(
         mask = mb["response_mask"]
         old, weights = mb.get("old_logp"), mb.get("tis_weights")
         if record_old_logp is not None:
-            old = lp.detach()
-            record_old_logp[mb["row"].cpu()] = old.cpu()
-            if algo.tis_cap is not None and algo.off_policy == "none":
-                weights = tis_weights(old, mb["rollout_logp"], algo.tis_cap)
+            old, weights = _on_policy_old_logp(algo, lp, mb, record_old_logp, weights)
         pg, stats = policy_loss(
             lp, old, mb["advantages"], algo.clip_low, algo.clip_high, response_mask=mask, **options
         )
-        corrected: dict[str, float] = {}
-        if algo.off_policy == "none":
-            if algo.tis_cap is not None:
-                pg = pg * weights
-        else:
-            assert old is not None, "old_logp comes from the controller, or on-policy from this forward"
-            weights, _, w_stats = off_policy_weights(
-                algo.off_policy,
-                old,
-                mb["rollout_logp"],
-                mask,
-                algo.tis_cap,
-                algo.is_band_low,
-                algo.is_band_high,
-            )
-            pg = pg * weights
-            # this micro-batch's share of the global token mean (shares sum to the step's mean)
-            scale = float(w_stats["tokens"]) / max(shares_over, 1.0)
-            corrected = {
-                f"off_policy/{k}": float(w_stats[k]) * scale
-                for k in ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac")
-            }
+        pg, corrected = _off_policy_corrected(algo, pg, old, weights, mb, shares_over)
         per_token = pg - algo.entropy_coef * ent
         share = {"pg_loss": pg.detach(), "entropy": ent.detach(), "clipfrac": stats["clipped"]}
         if kl_in_loss:
@@ -182,6 +158,59 @@ def policy_loss_fn(
         return loss, {**_token_mean_shares(share, mask, shares_over), **corrected}
 
     return loss_fn
+
+
+def _on_policy_old_logp(
+    algo: AlgoConfig,
+    lp: torch.Tensor,
+    mb: dict[str, torch.Tensor],
+    record: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """On-policy `policy_loss_fn`: (old_logp = this forward's log-probs `lp`, detached and written into
+    `record` at the micro-batch's rows for the step's metrics; the truncated-IS weights, taken against them
+    when `algo.off_policy` is "none" with `algo.tis_cap` set, else `weights`)."""
+    old = lp.detach()
+    record[mb["row"].cpu()] = old.cpu()
+    if algo.tis_cap is not None and algo.off_policy == "none":
+        weights = tis_weights(old, mb["rollout_logp"], algo.tis_cap)
+    return old, weights
+
+
+def _off_policy_corrected(
+    algo: AlgoConfig,
+    pg: torch.Tensor,
+    old: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    mb: dict[str, torch.Tensor],
+    shares_over: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(The per-token policy-gradient loss `pg` times the off-policy correction, its logged shares): with
+    `algo.off_policy` "none", the truncated-IS `weights` when `algo.tis_cap` is set (no shares); otherwise
+    `off_policy_weights` of old_logp and the rollout's log-probs, with this micro-batch's share (over
+    `shares_over` tokens) of the `off_policy/*` token means."""
+    if algo.off_policy == "none":
+        if algo.tis_cap is None:
+            return pg, {}
+        assert weights is not None, "the controller's tis_weights, or on-policy taken from this forward"
+        return pg * weights, {}
+    assert old is not None, "old_logp comes from the controller, or on-policy from this forward"
+    weights, _, w_stats = off_policy_weights(
+        algo.off_policy,
+        old,
+        mb["rollout_logp"],
+        mb["response_mask"],
+        algo.tis_cap,
+        algo.is_band_low,
+        algo.is_band_high,
+    )
+    # this micro-batch's share of the global token mean (shares sum to the step's mean)
+    scale = float(w_stats["tokens"]) / max(shares_over, 1.0)
+    corrected = {
+        f"off_policy/{k}": float(w_stats[k]) * scale
+        for k in ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac")
+    }
+    return pg * weights, corrected
 
 
 def value_loss_fn(value_clip: float | None, prompt_width: int, global_tokens: float):

@@ -157,7 +157,7 @@ def test_local_fit_listens_on_loopback_only(demo_cache, tmp_path):
     # gloo binds this interface's address, not the one the hostname resolves to (127.0.0.1 on some machines
     # only, this one included: the check above alone would pass there without it)
     assert out["gloo_ifname"] == [loopback_interface()], out["gloo_ifname"]
-    # the training workers start with MKL's memory manager off (`cluster.CPU_ENV`), and so do a task and an
+    # the training workers start with MKL's memory manager off (`host_memory.CPU_ENV`), and so do a task and an
     # actor of the job (read inside them: Ray's agents rewrite the memory /proc/<pid>/environ shows)
     assert out["mkl_fast_mm"] == ["1"] and out["mkl_other"] == ["1", "1"], out
 

@@ -36,7 +36,7 @@ def test_tensor_parallel_2_trains_end_to_end(ray_cluster, demo_cache, tmp_path):
     assert Path(result.checkpoint_path, "config.json").exists()
 
 
-# README.md "On a cluster", the commands for one machine, as written there (checked below, so the two agree).
+# docs/clusters.md "One machine, a head node of its own": the commands as written there (checked below).
 README_COMMANDS = [
     "source .venv/bin/activate",
     "export RAY_AUTH_MODE=token",
@@ -49,11 +49,11 @@ README_COMMANDS = [
 
 
 def readme_local_commands() -> list[str]:
-    """The second bash block of README's "On a cluster" section: one command a line, comments dropped."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## On a cluster\n") :]
+    """The bash block of docs/clusters.md's "One machine" section: one command a line, comments dropped."""
+    text = (REPO / "docs" / "clusters.md").read_text()
+    section = text[text.index("## One machine, a head node of its own\n") :]
     section = section[: section.index("\n## ", 1)]
-    block = section.split("```bash\n")[2].split("```")[0]
+    block = section.split("```bash\n")[1].split("```")[0]
     block = block.replace("\\\n", " ")  # continuation lines
     commands = [re.sub(r"\s+#\s.*$", "", line).strip() for line in block.splitlines()]
     return [" ".join(c.split()) for c in commands if c]
@@ -64,8 +64,8 @@ def test_readme_lists_the_tested_commands():
 
 
 def test_ray_job_submit_as_in_readme(demo_cache, tmp_path):
-    """README's one-machine commands on a fresh head node (HOME without ~/.ray: a fresh machine), with only
-    what sharing the machine with the session's cluster needs: free ports and a temp dir of its own, the
+    """docs/clusters.md's one-machine commands on a fresh head node (HOME without ~/.ray: a fresh machine), with
+    only what sharing the machine with the session's cluster needs: free ports and a temp dir of its own, the
     run's output in tmp_path, and, instead of `ray stop` (which stops every Ray on the machine), a stop of
     this head's processes alone."""
     ports = {name: _free_port() for name in ("gcs", "dashboard", "client", "agent")}

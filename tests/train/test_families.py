@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from yatt_ray.errors import ConfigError
+from yatt_ray.model_shape import SUPPORTED_ARCHITECTURES, LlamaShape
 from yatt_ray.models.families import FAMILY_NAMES, build_family_model
-from yatt_ray.train import LlamaShape, build_gpt_model, hf_to_megatron, load_hf_weights, megatron_to_hf
-from yatt_ray.train.hf_convert import SUPPORTED_ARCHITECTURES, rope_inv_freq
+from yatt_ray.train import build_gpt_model, hf_to_megatron, load_hf_weights, megatron_to_hf
+from yatt_ray.train.hf_convert import rope_inv_freq
 from yatt_ray.train.model import read_hf_state_dict, rope_positions, tp_partial_grad_parameters
 
 LOGITS_ATOL = 1e-4  # float32 on CPU; measured: at most 5.6e-6 (logits up to ~5 in size; accumulation order)

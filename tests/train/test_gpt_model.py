@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from yatt_ray.model_shape import LlamaShape
 from yatt_ray.models.tiny import TinyModelSpec, build_tiny_model
-from yatt_ray.train import LlamaShape, build_gpt_model, load_hf_weights, seed_everything
+from yatt_ray.train import build_gpt_model, load_hf_weights, seed_everything
 from yatt_ray.train.model import rope_positions
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from yatt_ray.errors import ConfigError
-from yatt_ray.train import LlamaShape, check_tp_size, hf_to_megatron, megatron_to_hf
+from yatt_ray.model_shape import LlamaShape
+from yatt_ray.train import check_tp_size, hf_to_megatron, megatron_to_hf
 from yatt_ray.train.model import read_hf_state_dict
 
 

@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-from yatt_ray.train import LlamaShape
+from yatt_ray import machine_cache
+from yatt_ray.model_shape import LlamaShape, linear_shapes
+from yatt_ray.train import kernel_timing as KT
 from yatt_ray.train import kernels as K
 from yatt_ray.train.cpu_shims import onednn_linear_available
 
@@ -19,7 +21,7 @@ SHAPE = LlamaShape(
 def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     threads = torch.get_num_threads()
-    choice = K.choose_kernels(SHAPE, max_threads=2)
+    choice = KT.choose_kernels(SHAPE, max_threads=2)
     assert torch.get_num_threads() == threads  # the caller's threads are restored
     assert choice.linear in K.LINEAR and choice.gqa in K.GQA and 1 <= choice.threads <= 2
     rates = choice.rates
@@ -29,7 +31,7 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     assert ("linear_onednn" in rates) == onednn_linear_available()
     assert rates[f"gqa_{choice.gqa}"] == min(rates["gqa_native"], rates["gqa_expand"])
     assert "linear " + choice.linear in choice.describe() and "GQA " + choice.gqa in choice.describe()
-    assert choice.dense_rows in (0, *K.ROW_LENGTHS)
+    assert choice.dense_rows in (0, *KT.ROW_LENGTHS)
     # each row count takes its fastest weight-gradient form where that beats "direct" by WGRAD_WIN
     if choice.linear == "onednn":
         assert [rows for rows, _ in choice.wgrad] == list(K.WGRAD_ROWS)
@@ -40,7 +42,7 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
             assert f"{form} at {rows} rows" in choice.describe()
     else:
         assert choice.wgrad == () and not any(k.startswith("wgrad_") for k in rates)
-    for length in K.ROW_LENGTHS:  # masked rows up to the first length where they stop being faster
+    for length in KT.ROW_LENGTHS:  # masked rows up to the first length where they stop being faster
         if length <= choice.dense_rows:
             assert rates[f"rows_{length}"] < rates[f"sequences_{length}"]
         elif f"rows_{length}" in rates:
@@ -50,31 +52,33 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
     def no_measuring(*args):
         raise AssertionError("measured again although cached")
 
-    monkeypatch.setattr(K, "_measure", no_measuring)
-    assert K.choose_kernels(SHAPE, max_threads=2) == choice
+    monkeypatch.setattr(KT, "_measure", no_measuring)
+    assert KT.choose_kernels(SHAPE, max_threads=2) == choice
     with pytest.raises(AssertionError, match="measured again"):  # another shape is another key
-        K.choose_kernels(dataclasses.replace(SHAPE, hidden_size=128), max_threads=2)
+        KT.choose_kernels(dataclasses.replace(SHAPE, hidden_size=128), max_threads=2)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the same CPU capped to AVX2 measures differently
     with pytest.raises(AssertionError, match="measured again"):
-        K.choose_kernels(SHAPE, max_threads=2)
+        KT.choose_kernels(SHAPE, max_threads=2)
 
 
 def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = K.cache_path()
+    path = machine_cache.cache_path()
     path.parent.mkdir(parents=True)
     measured = []
-    real = K._measure
-    monkeypatch.setattr(K, "_measure", lambda *a: measured.append(1) or real(*a))
+    real = KT._measure
+    monkeypatch.setattr(KT, "_measure", lambda *a: measured.append(1) or real(*a))
     for damage in ("{not json", "[1, 2]"):
         path.write_text(damage)
-        choice = K.choose_kernels(SHAPE, max_threads=1)
+        choice = KT.choose_kernels(SHAPE, max_threads=1)
         assert len(measured) == 1 and choice.threads == 1
         measured.clear()
     key = next(iter(json.loads(path.read_text())))
     path.write_text(json.dumps({key: {"linear": "mkl"}}))  # an entry of another version's fields
-    assert K.choose_kernels(SHAPE, max_threads=1) and len(measured) == 1
-    assert K.choose_kernels(SHAPE, max_threads=1) and len(measured) == 1  # rewritten: read from the cache now
+    assert KT.choose_kernels(SHAPE, max_threads=1) and len(measured) == 1
+    assert (
+        KT.choose_kernels(SHAPE, max_threads=1) and len(measured) == 1
+    )  # rewritten: read from the cache now
 
 
 def test_gqa_forms_agree():
@@ -114,7 +118,7 @@ def test_the_chosen_linear_kernel_is_the_one_that_runs(monkeypatch, single_proce
 
 def test_linear_rates_rank_a_kernel_that_does_twice_the_work_below_the_real_one():
     """`linear_rates` times the model's own layers (q/k/v, output, MLP in and out), kernels taking turns."""
-    assert K.linear_shapes(SHAPE) == [(96, 96 + 2 * 32), (96, 96), (96, 320), (160, 96)]
+    assert linear_shapes(SHAPE) == [(96, 96 + 2 * 32), (96, 96), (96, 320), (160, 96)]
 
     def real(a, b):
         return torch.matmul(a, b.t())
@@ -123,7 +127,7 @@ def test_linear_rates_rank_a_kernel_that_does_twice_the_work_below_the_real_one(
         real(a, b)
         return real(a, b)
 
-    rates = K.linear_rates(SHAPE, torch.float32, {"real": real, "twice": twice}, tokens=256, rounds=3)
+    rates = KT.linear_rates(SHAPE, torch.float32, {"real": real, "twice": twice}, tokens=256, rounds=3)
     assert rates["twice"] < 0.8 * rates["real"]
 
 

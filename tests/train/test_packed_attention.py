@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from yatt_ray.batch import pack
-from yatt_ray.train import LlamaShape, build_gpt_model, seed_everything
+from yatt_ray.model_shape import LlamaShape
+from yatt_ray.train import build_gpt_model, seed_everything
 from yatt_ray.train.attention import packed_attention, segment_layout
 from yatt_ray.train.model import FLAT_MULTIPLE, attention_input, forward_packed, model_rows
 from yatt_ray.train.packing import PAD_SEGMENT, pack_shared_prefix

@@ -97,21 +97,19 @@ def judged_ahead(collector) -> None:
 
 @pytest.mark.parametrize("staleness", [1, 2, 3])
 def test_nothing_is_held_after_a_step_at_any_staleness(genrm, staleness):
-    """The controller's order (collect step s, then start s+1..s+K): at K >= 2 the steps after s+1 are being
-    judged ahead when step s ends. Their samples are counted in `genrm/ahead`, not in `genrm/held`, which is 0
+    """`collect(s)` ends by starting s+1..s+K: at K >= 2 the steps after s+1 are being judged ahead when step
+    s ends. Their samples are counted in `genrm/ahead`, not in `genrm/held`, which is 0
     after every step; every sample sent ahead is scored, none discarded."""
-    collector, _ = genrm_collector(f"rollout.max_staleness={staleness}")
     steps, held, ahead, later = 6, [], [], []
+    collector, _ = genrm_collector(f"rollout.max_staleness={staleness}", f"train.steps={steps}")
     for step in range(1, steps + 1):
         judged_ahead(collector)
-        batch = collector.collect(step)
-        later.append(len(collector.inflight) * 4 * N_SAMPLES)  # started before this step, judged meanwhile
+        later.append(sum(s != step for s in collector.inflight) * 4 * N_SAMPLES)  # started before, judged
+        batch = collector.collect(step)  # then starts step + 1 .. step + K
         held.append(batch.counters["genrm/held"])
         ahead.append(batch.counters.get("genrm/ahead"))
         assert collector.scorer.held() == 0, f"step {step}"
         assert batch.counters["genrm/discarded"] == 0 and batch.rewards.tolist() == [1.0] * 4 * N_SAMPLES
-        for s in range(step + 1, min(step + staleness, steps) + 1):
-            collector.start(s)
     assert held == [0] * steps and ahead == later, (held, ahead, later)
     assert max(later) == 4 * N_SAMPLES * (staleness - 1)  # K - 1 steps judged ahead at the end of a step
     assert not collector.inflight and not collector.scorer.client.pending  # nothing left after the run
@@ -121,7 +119,7 @@ def test_a_prompt_whose_send_failed_ahead_is_sent_when_its_step_is_collected(gen
     """The judging thread's send of a prompt fails half way (its second sample): the prompt is not marked sent
     and none of its samples stays pending, so the step's collection sends it again; the other prompts streamed
     ahead are sent once."""
-    collector, _ = genrm_collector()
+    collector, _ = genrm_collector("train.steps=1")  # collect(1) starts nothing ahead
     genrm.judge.fail_at = {2}  # prompt 0's second sample
     with caplog.at_level(logging.WARNING, logger="yatt_ray.collector"):
         collector.start(1)

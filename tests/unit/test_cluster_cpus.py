@@ -8,7 +8,8 @@ import os
 import pytest
 
 from yatt_ray import cluster, load_config
-from yatt_ray.cluster import resolve_cpus_per_worker, shared_cpus
+from yatt_ray.cluster import resolve_cpus_per_worker
+from yatt_ray.placement import shared_cpus
 
 
 def cfg(*over):

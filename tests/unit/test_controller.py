@@ -17,7 +17,7 @@ from yatt_ray.models.tiny import build_tokenizer
 from yatt_ray.reward.rules import exact_match
 from yatt_ray.reward.scorer import RewardScorer
 from yatt_ray.roles import Layout, Roles
-from yatt_ray.rollout.base import Completion
+from yatt_ray.rollout.base import Completion, InProcessEngine
 
 N_SAMPLES = 2  # rollout.n
 
@@ -49,8 +49,10 @@ class FakePolicy:
         yield [("model.embed_tokens.weight", torch.zeros(2, 2))]
 
 
-class FakeEngine:
+class FakeEngine(InProcessEngine):
     """Answers every prompt with "3" then EOS, and "4" on the second sample (the tokenizer's ids)."""
+
+    takes_image_features = False
 
     def __init__(self, tokenizer, log: list) -> None:
         self.tokenizer, self.log, self.loaded = tokenizer, log, []
@@ -309,6 +311,8 @@ class FakePool:
     """An engine pool stand-in: `submit` records the weight version the engines hold when the request runs
     (here: at submit), `wait` answers through a FakeEngine."""
 
+    asynchronous, takes_image_features = True, False
+
     def __init__(self, engine: FakeEngine) -> None:
         self.engine, self.version, self.submitted = engine, 0, []
 
@@ -339,7 +343,8 @@ class FakePool:
 
 
 def _async_collector(*overrides: str):
-    """A controller's collector for asynchronous rollout (max_staleness 1, 4 prompts a step) over a FakePool."""
+    """A controller's collector for asynchronous rollout (max_staleness 1, 4 prompts a step) over a FakePool.
+    `collect(s)` starts steps s+1 .. s+K up to `train.steps` (set it to the steps a test collects)."""
     from yatt_ray.collector import RolloutCollector
     from yatt_ray.metrics.timeline import SpanRecorder
     from yatt_ray.metrics.timers import PhaseTimer
@@ -359,10 +364,10 @@ def _async_collector(*overrides: str):
 
 
 def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_staleness():
-    """`start` draws a later step's prompts and submits them; they stay unconsumed (held in flight, so the data
-    position keeps their epoch open) until `collect` takes them; each sample's staleness is reported. Nothing
-    is generated twice: the bound holds by construction (`collect_started`)."""
-    collector, pool = _async_collector()
+    """`collect(s)` ends by starting step s+1 (K = 1): its prompts are drawn and submitted and stay unconsumed
+    (held in flight, so the data position keeps their epoch open) until `collect` takes them; each sample's
+    staleness is reported. Nothing is generated twice: the bound holds by construction (`collect_started`)."""
+    collector, pool = _async_collector("train.steps=3")
     rows = {
         "id": list(range(16)),
         "prompt": ["1+2="] * 16,
@@ -370,8 +375,7 @@ def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_st
         "data_source": ["t"] * 16,
     }
     collector.feed = feed = PromptFeed(Shard(rows), None, batch_size=4)
-    first = collector.collect(1)  # not started ahead: started now
-    collector.start(2)
+    first = collector.collect(1)  # not started ahead: started now; then step 2 starts
     assert sorted(r.id for r in feed.lent.values()) == [4, 5, 6, 7] and feed.consumed == {0: [0, 1, 2, 3]}
     pool.version = 1  # the trainer's weights moved on while step 2 generated
     second = collector.collect(2)
@@ -391,20 +395,20 @@ def test_asynchronous_collection_starts_ahead_holds_rows_in_flight_and_bounds_st
     assert [counters[f"async/staleness_hist_{s}"] for s in (0, 1)] == [1, 2]  # ages 2 (bin >= 1), 0; 1
     assert counters["async/versions_per_sample_mean"] == pytest.approx((2 + 1 + 1) / 3)
     pool.version = 1
-    assert [r.id for r in collector.step_rows] == [4, 5, 6, 7] and not feed.lent
-    collector.start(3)
+    assert [r.id for r in collector.step_rows] == [4, 5, 6, 7]
+    assert sorted(r.id for r in feed.lent.values()) == [8, 9, 10, 11]  # step 3's, started by collect(2)
     pool.version = 2  # the push of step 2's training
     third = collector.collect(3)
     assert third.counters["async/staleness_max"] == 1 and "async/aged_out" not in third.counters
     assert third.size == 4 * N_SAMPLES and [r.id for r in collector.step_rows] == [8, 9, 10, 11]
-    assert pool.submitted == [4, 4, 4]  # each step's prompts once
+    assert pool.submitted == [4, 4, 4] and not feed.lent  # each step's prompts once; none past train.steps
 
 
 def test_asynchronous_collection_with_dynamic_sampling_filters_what_was_generated_ahead():
     """DAPO's filter on asynchronous rollout: the groups generated ahead are a draw; uniform ones are dropped
     (consumed), what is missing is drawn at once with the current weights, and informative groups past the
     share go back to the queue unconsumed."""
-    collector, pool = _async_collector("algo.dynamic_sampling=reward")
+    collector, pool = _async_collector("algo.dynamic_sampling=reward", "train.steps=2")
     answers = ["9", "3", "9", "3", "3", "3", "3", "3", "3", "3", "3", "3"]  # "9": no sample right (uniform)
     rows = {
         "id": list(range(12)),
@@ -414,13 +418,13 @@ def test_asynchronous_collection_with_dynamic_sampling_filters_what_was_generate
     }
     collector.feed = feed = PromptFeed(Shard(rows), None, batch_size=4)
     collector.start(1)  # 4 prompts ahead (keep rate 1): 0..3, two of them uniform
-    batch = collector.collect(1)
+    batch = collector.collect(1)  # then step 2 starts: ceil(4 / keep rate 0.83) = 5 prompts ahead, 6..10
     assert batch.counters["dynamic/dropped_groups"] == 2 and batch.counters["dynamic/draws"] == 2
     assert sorted(r.id for r in collector.step_rows) == [0, 1, 2, 3, 4, 5]  # 0, 2 dropped; 4, 5 drawn now
     assert batch.size == 4 * N_SAMPLES and batch.counters["dynamic/batch_full"] == 1
-    assert pool.submitted == [4, 2] and not feed.lent and feed.consumed == {0: [0, 1, 2, 3, 4, 5]}
+    assert pool.submitted == [4, 2, 5] and feed.consumed == {0: [0, 1, 2, 3, 4, 5]}
+    assert sorted(r.id for r in feed.lent.values()) == [6, 7, 8, 9, 10]  # step 2's, all informative
     assert collector.keep_rate == pytest.approx(0.5 * 1 + 0.5 * 4 / 6)
-    collector.start(2)  # ceil(4 / keep rate 0.83) = 5 prompts ahead now: 6..10, all informative
     second = collector.collect(2)
     assert sorted(r.id for r in collector.step_rows) == [6, 7, 8, 9] and second.counters["dynamic/draws"] == 1
     assert [r.id for r in feed.queue] == [10] and pool.submitted[2:] == [

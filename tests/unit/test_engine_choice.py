@@ -11,12 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from yatt_ray import load_config
+from yatt_ray import load_config, machine_cache
 from yatt_ray.errors import YattError
 from yatt_ray.rollout import auto_engine, resolve_engine_kind
 from yatt_ray.rollout import engine_choice as EC
 from yatt_ray.rollout.engine_choice import RolloutShape, choice_key, choose_engine, faster
-from yatt_ray.train import kernels
 
 SHAPE = RolloutShape(prompts=16, prompt_tokens=16, n=8, max_new_tokens=6, threads=1)
 LLAMA = {
@@ -48,7 +47,7 @@ class StandIn:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # an empty machine cache
-    return kernels.cache_path()
+    return machine_cache.cache_path()
 
 
 def test_the_faster_engine_is_taken_and_a_tie_goes_to_vllm():
@@ -95,7 +94,7 @@ def test_another_shape_model_or_machine_is_measured_anew(tmp_path, cache, monkey
     assert len(measure.calls) == 9
     same_shape_elsewhere = model_dir(tmp_path, "copy")  # the same architecture in another folder: a hit
     assert choose_engine(same_shape_elsewhere, SHAPE, measure=measure).cached is True
-    monkeypatch.setattr(kernels, "_cpu_model", lambda: "another CPU")
+    monkeypatch.setattr(machine_cache, "_cpu_model", lambda: "another CPU")
     assert choose_engine(model, SHAPE, measure=measure).cached is False
     monkeypatch.setattr(EC, "_vllm_version", lambda: "0.0.1")
     assert choose_engine(model, SHAPE, measure=measure).cached is False
@@ -105,7 +104,7 @@ def test_another_shape_model_or_machine_is_measured_anew(tmp_path, cache, monkey
 def test_the_key_names_the_machine_versions_model_and_rollout_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(EC, "_vllm_version", lambda: "0.32.0")
     key = choice_key(model_dir(tmp_path), SHAPE)
-    assert key.startswith(f"{EC.CACHE_VERSION}|{kernels._cpu_model()}|{torch.__version__}|")
+    assert key.startswith(f"{EC.CACHE_VERSION}|{machine_cache._cpu_model()}|{torch.__version__}|")
     assert "|vllm=0.32.0|" in key and "|transformers=" in key
     for field in ('"hidden_size":128', '"num_hidden_layers":2', '"num_key_value_heads":2', '"vocab_size":128',
                   '"architectures":["LlamaForCausalLM"]'):  # fmt: skip

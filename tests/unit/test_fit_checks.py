@@ -108,10 +108,11 @@ def test_the_early_plan_sees_the_cpus_the_local_cluster_declares(tmp_path, input
     import ray
 
     from yatt_ray import cluster, placement
+    from yatt_ray.host_memory import CPU_ENV
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    for key in cluster.CPU_ENV:  # connect() sets them in this process: restored after the test
+    for key in CPU_ENV:  # connect() sets them in this process: restored after the test
         monkeypatch.setenv(key, os.environ.get(key, "1"))
     planned, declared = [], []
     monkeypatch.setattr(

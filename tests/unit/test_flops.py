@@ -9,13 +9,12 @@ from yatt_ray.metrics.flops import (
     ModelFlops,
     PerfModel,
     causal_pairs,
-    measure_matmul_flops,
     shared_prompt_work,
     table_peak,
-    worker_perf_model,
 )
+from yatt_ray.model_shape import LlamaShape
 from yatt_ray.train.cpu_shims import onednn_linear_available
-from yatt_ray.train.hf_convert import LlamaShape
+from yatt_ray.train.kernel_timing import measure_matmul_flops, worker_perf_model
 
 # hidden 8, 2 layers, 2 heads of 4 (q = 8), 1 kv head (kv = 4), MLP 16, vocabulary 10
 SHAPE = LlamaShape(
@@ -70,7 +69,7 @@ def test_cpu_peak_is_measured_and_an_override_wins(tmp_path, monkeypatch):
             assert (
                 bf16.peak_source.endswith("no bf16 matmul units") and bf16.peak_flops == measured.peak_flops
             )
-        import yatt_ray.metrics.flops as flops_module
+        import yatt_ray.train.kernel_timing as flops_module
 
         def no_measuring(*args, **kwargs):
             raise AssertionError("measured again although cached")

@@ -17,7 +17,7 @@ from yatt_ray import run_control
 from yatt_ray.config import load_config
 from yatt_ray.data.feed import PromptFeed
 from yatt_ray.errors import DataError
-from yatt_ray.rollout.base import Completion
+from yatt_ray.rollout.base import Completion, InProcessEngine
 
 MISSING = "row {i} image 0 ({{'path': '/gone/{i}.png'}}) does not exist ('/gone/{i}.png'); fix the path"
 
@@ -45,8 +45,10 @@ class Shard:
             }
 
 
-class Engine:
+class Engine(InProcessEngine):
     """Answers every sample of every prompt with "3" and EOS."""
+
+    takes_image_features = False
 
     def __init__(self, tokenizer) -> None:
         self.ids = tokenizer("3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

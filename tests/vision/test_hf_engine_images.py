@@ -9,6 +9,7 @@ import torch
 
 from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, DataError
+from yatt_ray.model_dir import expand_image_tokens
 from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
 from yatt_ray.models.tiny_qwen_vl import IMAGE_TOKEN_ID as QWEN_IMAGE_ID
 from yatt_ray.models.tiny_qwen_vl import (
@@ -23,7 +24,7 @@ from yatt_ray.rollout import GenerateRequest, SamplingSpec
 from yatt_ray.rollout.hf_engine import HFEngine
 from yatt_ray.train.model import read_hf_state_dict
 from yatt_ray.train.qwen_vl import join_qwen_vl_state_dict, qwen_vl_layout, split_qwen_vl_state_dict
-from yatt_ray.train.vision import expand_image_tokens, split_llava_state_dict
+from yatt_ray.train.vision import split_llava_state_dict
 
 P = 16
 LOGPROB_ATOL = 1e-4  # fp32 on CPU

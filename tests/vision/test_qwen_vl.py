@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from yatt_ray.errors import ConfigError, DataError
+from yatt_ray.model_shape import LlamaShape
 from yatt_ray.models.tiny import TinyModelSpec
 from yatt_ray.models.tiny_qwen_vl import (
     IMAGE_TOKEN_ID,
@@ -24,7 +25,6 @@ from yatt_ray.train import (
     pack_shared_prefix,
     seed_everything,
 )
-from yatt_ray.train.hf_convert import LlamaShape
 from yatt_ray.train.model import attention_input, load_megatron_shard, read_hf_state_dict
 from yatt_ray.train.policy import packed_logprobs_and_entropy
 from yatt_ray.train.qwen_vl import (

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from yatt_ray.model_dir import expand_image_tokens
 from yatt_ray.models.tiny import CHARACTERS, SPECIAL_TOKENS
 from yatt_ray.models.tiny_vlm import (
     IMAGE_TOKEN,
@@ -17,7 +18,6 @@ from yatt_ray.models.tiny_vlm import (
     tokens_per_image,
 )
 from yatt_ray.train.model import read_hf_state_dict
-from yatt_ray.train.vision import expand_image_tokens
 
 
 def test_directory_loads_with_transformers(vlm_dir, hf_vlm):

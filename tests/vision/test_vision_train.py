@@ -6,6 +6,7 @@ import torch
 
 from yatt_ray.batch import Pixels, PromptImages
 from yatt_ray.errors import ConfigError, DataError
+from yatt_ray.model_dir import check_image_count, expand_image_tokens, llava_module_name
 from yatt_ray.models.tiny_vlm import IMAGE_TOKEN_ID, TinyVLMSpec, build_tiny_vlm
 from yatt_ray.train import (
     build_gpt_model,
@@ -15,18 +16,14 @@ from yatt_ray.train import (
     seed_everything,
 )
 from yatt_ray.train.model import read_hf_state_dict
-from yatt_ray.train.policy import packed_logprobs_and_entropy
+from yatt_ray.train.policy import load_language_model_weights, packed_logprobs_and_entropy
 from yatt_ray.train.vision import (
     TRAIN_VISION_MODES,
     VisionEncoder,
-    check_image_count,
     decoder_input,
-    expand_image_tokens,
     forward_packed_with_images,
     forward_with_decoder_input,
     join_llava_state_dict,
-    llava_module_name,
-    load_language_model_weights,
     packed_image_index,
     set_trainable,
     split_llava_state_dict,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from yatt_ray.checkpoint.store import CheckpointError, CheckpointStore
@@ -24,10 +25,14 @@ def resolve_checkpoint_dir(config, output_dir: Path) -> None:
         c.resume = str(Path(c.resume).expanduser().resolve())
 
 
-def check_checkpoints(config, timeout_s: float = 60.0) -> str:
+def check_checkpoints(
+    config, timeout_s: float = 60.0, check_position: Callable[[Mapping[int, list], str], None] | None = None
+) -> str:
     """On the driver, before any cluster work: the checkpoint store takes a write (a probe file, then deleted),
     and the checkpoint to resume from (if any) is found, verified (sha256 of every file) and readable, with a
-    tensor-parallel size this run can load. Returns a one-line summary; raises `CheckpointError` otherwise."""
+    tensor-parallel size this run can load. `check_position(position, where)` checks its data position against
+    this run's data (the driver passes `data.sources.check_position`: checkpoints know nothing of the data).
+    Returns a one-line summary; raises `CheckpointError` otherwise."""
     from yatt_ray.checkpoint.training import check_train_vision, choose_resume, read_run_state
 
     c = config.checkpoint
@@ -74,8 +79,8 @@ def check_checkpoints(config, timeout_s: float = 60.0) -> str:
             f"train.tp_size={meta['tp_size']} (train.dp_size may differ)"
         )
     run = read_run_state(c, root, step)
-    from yatt_ray.checkpoint.training import run_position
-    from yatt_ray.data.sources import check_position  # its data position keys prompts as this run's files do
+    if check_position is not None:  # its data position keys prompts as this run's files do
+        from yatt_ray.checkpoint.training import run_position
 
-    check_position(run_position(run), config.data, f"checkpoint step {step} in {root}")
+        check_position(run_position(run), f"checkpoint step {step} in {root}")
     return f"checkpoints: {c.dir} (resuming from step {step} of {root}, epoch {run['epoch']})"

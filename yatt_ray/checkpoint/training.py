@@ -459,8 +459,9 @@ class TrainingCheckpoints:
         gathered: list[Any] | None = [None] * dist.get_world_size() if self.layout.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         payload: dict[str, Any] = {"rng": rng_state()}
-        if rollout is not None and rollout.engine is not None:
-            payload["rng"]["rollout"] = rollout.engine.rng_state()
+        engine_rng = None if rollout is None else rollout.engine_rng_state()
+        if engine_rng is not None:
+            payload["rng"]["rollout"] = engine_rng
         for name, trainer in (("policy", state.policy), ("critic", state.critic)):
             if trainer is None:
                 continue

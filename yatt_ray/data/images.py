@@ -284,38 +284,53 @@ def decode_images_batch(
     prompts = batch[prompt_column] if prompt_column is not None and prompt_column in batch else None
     pixels, grids, sizes, errors = [], [], [], []
     for i, cell in enumerate(cells):
-        row_id = _plain(ids[i])
-        try:
-            refs = image_refs(cell, row_id)
-            if max_images is not None and len(refs) > max_images:
-                raise DataError(
-                    f"row {row_id!r} has {len(refs)} images, more than data.max_images={max_images}; raise "
-                    "data.max_images or drop the row"
-                )
-            if prompts is not None:
-                check_placeholders(prompts[i], len(refs), row_id)
-            images = [load_image(ref, row_id, root) for ref in refs]
-        except DataError as exc:
-            if on_bad_image == "raise" and isinstance(exc, BadImage):
-                raise
-            if on_bad_image == "raise":
-                raise BadImage(str(exc)) from exc
-            pixels.append(_empty_pixels(processor_fn is not None))
-            grids.append(np.zeros((0, 3), dtype=np.int64))
-            sizes.append(np.zeros((0, 2), dtype=np.int64))
-            errors.append(str(exc))
-            continue
-        values, grid = _pixels(images, processor_fn)
+        prompt = None if prompts is None else prompts[i]
+        values, grid, size, error = _decode_row(
+            cell, _plain(ids[i]), prompt, processor_fn, on_bad_image, root, max_images
+        )
         pixels.append(values)
         grids.append(grid)
-        sizes.append(np.array([(im.height, im.width) for im in images], dtype=np.int64).reshape(-1, 2))
-        errors.append("")
+        sizes.append(size)
+        errors.append(error)
     out = {k: v for k, v in batch.items() if keep_image_column or k != image_column}
     out[PIXELS], out[SIZES] = _objects(pixels), _objects(sizes)
     if getattr(processor_fn, "gives_grid", False):
         out[GRID] = _objects(grids)
     out[ERROR] = np.asarray(errors, dtype=object)
     return out
+
+
+def _decode_row(
+    cell: Any,
+    row_id: Any,
+    prompt: Any,
+    processor_fn: ProcessorFn | None,
+    on_bad_image: str,
+    root: str | None,
+    max_images: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """One row of `decode_images_batch`: (its PIXELS, GRID, SIZES and ERROR entries). A bad row (see there)
+    gets empty arrays and the reason, or raises BadImage with `on_bad_image="raise"`."""
+    try:
+        refs = image_refs(cell, row_id)
+        if max_images is not None and len(refs) > max_images:
+            raise DataError(
+                f"row {row_id!r} has {len(refs)} images, more than data.max_images={max_images}; raise "
+                "data.max_images or drop the row"
+            )
+        if prompt is not None:
+            check_placeholders(prompt, len(refs), row_id)
+        images = [load_image(ref, row_id, root) for ref in refs]
+    except DataError as exc:
+        if on_bad_image == "raise" and isinstance(exc, BadImage):
+            raise
+        if on_bad_image == "raise":
+            raise BadImage(str(exc)) from exc
+        empty_grid, empty_sizes = np.zeros((0, 3), dtype=np.int64), np.zeros((0, 2), dtype=np.int64)
+        return _empty_pixels(processor_fn is not None), empty_grid, empty_sizes, str(exc)
+    values, grid = _pixels(images, processor_fn)
+    sizes = np.array([(im.height, im.width) for im in images], dtype=np.int64).reshape(-1, 2)
+    return values, grid, sizes, ""
 
 
 def bad_image_rows(batch: Mapping[str, Any], id_column: str = "id") -> list[tuple[Any, str]]:

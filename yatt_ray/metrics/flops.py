@@ -19,14 +19,13 @@ count. Training costs `3 F_fwd` per pass over the batch.
 
 MFU = achieved model FLOP/s per accelerator / the accelerator's peak. The peak comes from
 `cluster.peak_flops` when set, else the table below (dense, no sparsity, by device and dtype), else on the CPU
-from a short fp32 matmul timing with the worker's threads (`measure_matmul_flops`: the physical limit of the
-box, so the headroom is visible).
+from a short fp32 matmul timing with the worker's threads (`train.kernel_timing.measure_matmul_flops`: the
+physical limit of the box, so the headroom is visible; `worker_perf_model` there picks among the three).
 """
 
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +60,8 @@ class ModelFlops:
 
     @classmethod
     def from_shape(cls, shape) -> ModelFlops:
-        """From a `yatt_ray.train.hf_convert.LlamaShape`."""
-        from yatt_ray.train.kernels import linear_shapes
+        """From a `yatt_ray.model_shape.LlamaShape`."""
+        from yatt_ray.model_shape import linear_shapes
 
         per_layer = sum(k_in * n_out for k_in, n_out in linear_shapes(shape))  # q/k/v, output, MLP in and out
         h, L = shape.hidden_size, shape.num_layers
@@ -145,80 +144,3 @@ def cuda_matmul_dtype(dtype: torch.dtype) -> str:
     if dtype == torch.float16:
         return "fp16"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-
-
-def measure_matmul_flops(
-    threads: int,
-    size: int = 1024,
-    seconds: float = 1.0,
-    trials: int = 5,
-    dtype: torch.dtype = torch.float32,
-) -> float:
-    """The CPU's matmul FLOP/s in `dtype` with `threads` torch threads: 2 n^3 per [n, n] x [n, n] product, the best
-    of `trials` windows of `seconds / trials` each after one warm-up product (the best, so that a moment of
-    contention from another process does not lower the peak: measured at 0.3 s in three windows while a Ray
-    cluster started beside it, one AVX2 EPYC gave 96 GFLOP/s where it reaches 130-160 idle), over both GEMM
-    libraries of the torch build:
-    MKL (`torch.matmul`) and oneDNN (vLLM's CPU kernel, and the trainer's where faster: on one AVX-512 AMD EPYC
-    MKL reached under half of oneDNN, on an AVX2 one MKL was the faster). The caller's thread count is restored."""
-    from yatt_ray.train.cpu_shims import onednn_linear_available, onednn_mm_t
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        kernels = [torch.matmul] + ([onednn_mm_t] if onednn_linear_available(dtype) else [])
-        best = 0.0
-        for mm in kernels:
-            mm(a, b)
-            best = max(best, *(_matmul_rate(mm, a, b, seconds / trials) for _ in range(trials)))
-        return best
-    finally:
-        torch.set_num_threads(before)
-
-
-def _matmul_rate(mm, a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
-    count, start = 0, time.perf_counter()
-    while True:
-        mm(a, b)
-        count += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] * count / elapsed
-
-
-def worker_perf_model(
-    shape, threads: int, override: float | None, dtype: torch.dtype = torch.float32
-) -> PerfModel:
-    """This worker's PerfModel: `cluster.peak_flops` when set, else the table for its CUDA device and `dtype`,
-    else (CPU) a measured matmul peak in `dtype` with its `threads` (measured once per machine and cached
-    beside the kernel choices, `train.kernels.cache_path()`: ~2 s off every later start; `cpu_peak`)."""
-    flops = ModelFlops.from_shape(shape)
-    if override is not None:
-        return PerfModel(flops, override, "cluster.peak_flops")
-    if torch.cuda.is_available():
-        name, key = torch.cuda.get_device_name(), cuda_matmul_dtype(dtype)
-        peak = table_peak(name, key)
-        source = f"table: {name} {key}" if peak else f"unknown: {name} {key} (set cluster.peak_flops)"
-        return PerfModel(flops, peak, source)
-    peak, source = cpu_peak(threads, dtype)
-    return PerfModel(flops, peak, source)
-
-
-def cpu_peak(threads: int, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
-    """(FLOP/s, where it came from): this CPU's matmul peak in `dtype` with `threads`, measured once per machine,
-    dtype and thread count and cached beside the kernel choices (`train.kernels.cache_path()`; the driver
-    measures it while it plans, so a one-machine cluster's workers read it instead of measuring while the
-    others start)."""
-    from yatt_ray.train.cpu_shims import onednn_linear_available
-    from yatt_ray.train.kernels import cache_key, cached_measurement
-
-    # A CPU without bf16 units (no oneDNN bf16 product: AVX2 only) computes bf16 in fp32 after conversion, at
-    # best at its fp32 rate, which is then the peak (its bf16 GEMMs measure far below it, size-dependent).
-    native = dtype == torch.float32 or onednn_linear_available(dtype)
-    peak_dtype = dtype if native else torch.float32
-    key = cache_key("peak-v3", peak_dtype, threads)
-    name = "bf16" if peak_dtype == torch.bfloat16 else "fp32"
-    peak = cached_measurement(key, lambda: measure_matmul_flops(threads, dtype=peak_dtype), float)
-    source = f"measured: {name} matmul (best of MKL, oneDNN), {threads} thread(s)"
-    return peak, source + ("" if native else "; this CPU has no bf16 matmul units")

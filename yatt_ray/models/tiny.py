@@ -97,3 +97,17 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     model.save_pretrained(out, safe_serialization=True)
     build_tokenizer().save_pretrained(out)
     return out
+
+
+def sft_tensors(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [B, T] input ids and labels for (prompt, target) text pairs: prompt + target + EOS, with
+    labels -100 on the prompt and the padding, so the loss is on the target and its EOS only."""
+    prompts = [tokenizer(p)["input_ids"] for p, _ in pairs]
+    targets = [tokenizer(t, add_special_tokens=False)["input_ids"] + [EOS_ID] for _, t in pairs]
+    width = max(len(p) + len(t) for p, t in zip(prompts, targets))
+    input_ids = torch.zeros(len(pairs), width, dtype=torch.long)
+    labels = torch.full_like(input_ids, -100)
+    for i, (p, t) in enumerate(zip(prompts, targets)):
+        input_ids[i, : len(p) + len(t)] = torch.tensor(p + t)
+        labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)
+    return input_ids, labels

@@ -13,7 +13,7 @@ Image tokens. The tokenizer maps the placeholder `<image>` to `IMAGE_TOKEN_ID` (
 character-tokenizer ids; the model's vocabulary of 128 already has room, so only the tokenizer grows, from 99
 to 100 tokens). Each image becomes `tokens_per_image(spec)` = (image_size / patch_size)^2 positions
 (16 with the defaults: a 32x32 image in 8x8 patches): the prompt must hold that many consecutive
-`IMAGE_TOKEN_ID`s per image (`yatt_ray.train.vision.expand_image_tokens`, or `LlavaProcessor`, does it).
+`IMAGE_TOKEN_ID`s per image (`yatt_ray.model_dir.expand_image_tokens`, or `LlavaProcessor`, does it).
 
 Feature choices (written into config.json, read back by the trainer's `VisionEncoder` and by transformers):
 - `vision_feature_select_strategy="default"`: drop CLIP's CLS token and keep the patch tokens. LLaVA-1.5 does

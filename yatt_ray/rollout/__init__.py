@@ -22,7 +22,14 @@ import torch
 
 from yatt_ray.config import EngineKind
 from yatt_ray.errors import ConfigError, UnknownNameError, YattError
-from yatt_ray.rollout.base import Completion, GenerateRequest, RolloutEngine, SamplingSpec, complete
+from yatt_ray.rollout.base import (
+    ENGINE_DTYPES,
+    Completion,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingSpec,
+    complete,
+)
 
 if typing.TYPE_CHECKING:
     from yatt_ray.rollout.engine_choice import EngineChoice, RolloutShape
@@ -42,10 +49,6 @@ __all__ = [
 ]
 
 ENGINE_KINDS = typing.get_args(EngineKind)  # one source: the config type
-ENGINE_DTYPES = {
-    "fp32": "float32",
-    "bf16": "bfloat16",
-}  # train.dtype / reward.genrm.dtype -> an engine's dtype
 logger = logging.getLogger(__name__)
 
 

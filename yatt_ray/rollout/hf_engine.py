@@ -34,21 +34,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import StoppingCriteria
 
 from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, DataError, YattError
+from yatt_ray.model_dir import check_image_count, check_image_runs
 from yatt_ray.rollout.base import (
     Completion,
     FinishReason,
     GenerateRequest,
     Images,
     InFlightWeights,
+    InProcessEngine,
     OnFinished,
     PrivateRng,
+    RolloutEngine,
     SamplingSpec,
     derive_seed,
     read_eos_token_ids,
@@ -59,7 +62,7 @@ from yatt_ray.rollout.decode import sample_groups
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class HFEngine:
+class HFEngine(InProcessEngine):
     """`RolloutEngine` on `transformers` `AutoModelForCausalLM.generate` (`LlavaForConditionalGeneration`
     for a LLaVA directory, `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` for a Qwen
     VL one, which then also take images).
@@ -82,10 +85,6 @@ class HFEngine:
         max_model_len: int | None = None,
         max_batch_size: int | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
-
-        from yatt_ray.model_dir import is_qwen_vl
-
         if dtype not in _DTYPES:
             raise ConfigError(f"HFEngine dtype={dtype!r} is not one of {sorted(_DTYPES)}")
         if max_batch_size is not None and max_batch_size < 1:
@@ -100,12 +99,33 @@ class HFEngine:
         self.merge: int | None = None  # Qwen VL: spatial_merge_size (an image takes t*h*w / merge^2 tokens)
         self._pixel_shape: tuple[int, ...] | None = None  # a pixel row: LLaVA (C, H, W), Qwen VL (C*tp*p*p,)
         self._rename: Callable[[str], str] | None = None  # weight-sync name map (vision-language models)
+        model = self._load_model(dtype)
+        model.requires_grad_(False)
+        model.to(self._device)  # type: ignore[arg-type]  # transformers types `to` oddly
+        self._model = model.eval()
+        self._read_text_config(model.config.get_text_config(), max_model_len)
+        self._max_batch_size = max_batch_size
+        cuda_index = None
+        if self._device.type == "cuda":
+            cuda_index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        self._rng = PrivateRng(seed, cuda_index)
+        self._asleep = False
+        self._closed = False
+        self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
+
+    def _load_model(self, dtype: str) -> Any:
+        """The model of `model_dir` in `dtype`: LLaVA's or Qwen VL's conditional-generation class for a
+        vision-language directory (its image facts set here: the image token, LLaVA's tokens per image or Qwen's
+        merge size, a pixel row's shape, the weight-sync name map), else the causal LM."""
+        from transformers import AutoModelForCausalLM
+
+        from yatt_ray.model_dir import is_qwen_vl
+
         config_json = _read_config(self.model_dir)
         if config_json.get("model_type") == "llava":
             from transformers import LlavaForConditionalGeneration
 
-            from yatt_ray.model_dir import image_shape, image_token_id, tokens_per_image
-            from yatt_ray.train.vision import llava_module_name
+            from yatt_ray.model_dir import image_shape, image_token_id, llava_module_name, tokens_per_image
 
             model: Any = LlavaForConditionalGeneration.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
             self.image_token_id = image_token_id(model.config)
@@ -127,10 +147,13 @@ class HFEngine:
             self._rename = qwen_vl_module_name
         else:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
-        model.requires_grad_(False)
-        model.to(self._device)  # type: ignore[arg-type]  # transformers types `to` oddly
-        self._model = model.eval()
-        cfg = model.config.get_text_config()
+        return model
+
+    def _read_text_config(self, cfg: Any, max_model_len: int | None) -> None:
+        """The language model's limits and special tokens (vocabulary, longest sequence, EOS ids, pad id) from
+        its text config `cfg`, and a generation config of those alone."""
+        from transformers import GenerationConfig
+
         self.vocab_size: int = cfg.vocab_size
         self.max_model_len: int = int(max_model_len or cfg.max_position_embeddings)
         self.eos_token_ids: tuple[int, ...] = read_eos_token_ids(self.model_dir) or (
@@ -145,14 +168,8 @@ class HFEngine:
         self._model.generation_config = GenerationConfig(
             bos_token_id=cfg.bos_token_id, pad_token_id=self._pad_id
         )
-        self._max_batch_size = max_batch_size
-        cuda_index = None
-        if self._device.type == "cuda":
-            cuda_index = self._device.index if self._device.index is not None else torch.cuda.current_device()
-        self._rng = PrivateRng(seed, cuda_index)
-        self._asleep = False
-        self._closed = False
-        self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
+
+    takes_image_features = False  # it takes pixels (`request.images`) and runs the vision tower itself
 
     @property
     def in_flight_updates(self) -> bool:
@@ -188,17 +205,27 @@ class HFEngine:
         (`decode.sample_groups`); ignored for vision-language models, whose weights change between calls.
         """
         self._check_usable("generate")
-        prompts, spec = request.prompts, request.spec
-        finish_after, wait_for = request.finish_after, request.wait_for
-        validate_prompts(prompts, spec, self.max_model_len, self.vocab_size)
-        per_prompt = self._check_images(prompts, request.images)
+        validate_prompts(request.prompts, request.spec, self.max_model_len, self.vocab_size)
+        per_prompt = self._check_images(request.prompts, request.images)
         if self._asleep:
             raise YattError("HFEngine.generate called while asleep: call wake() first")
         self.last_aborted = 0
         if self.image_token_id is None:  # text models: each prompt prefilled once, finished rows dropped
-            sampled = self._sample_text(request, on_finished, updates, version)
-            self.last_aborted = sampled.count(None)
-            return sampled
+            groups = self._sample_text(request, on_finished, updates, version)
+        else:
+            groups = self._sample_images(request, per_prompt, on_finished)
+        self.last_aborted = groups.count(None)
+        return groups
+
+    def _sample_images(
+        self, request: GenerateRequest, per_prompt: Images, on_finished: OnFinished | None
+    ) -> list[list[Completion] | None]:
+        """`generate` for a vision-language model through HF `generate`, in batches of up to
+        `max_batch_size` rows (prompt x sample) with their prompts' images, batch k seeded with
+        `derive_seed(seed, k)`; with `finish_after`, each batch stops early once enough prompts are complete
+        (`_GroupsDone`) and later batches are skipped."""
+        prompts, spec = request.prompts, request.spec
+        finish_after, wait_for = request.finish_after, request.wait_for
         n = spec.n
         rows = [prompt for prompt in prompts for _ in range(n)]
         row_images = [pixels for pixels in per_prompt for _ in range(n)]
@@ -224,7 +251,6 @@ class HFEngine:
                     complete += 1
                     if on_finished is not None:
                         on_finished(i, group)
-        self.last_aborted = groups.count(None)
         return groups
 
     def _sample_text(
@@ -275,7 +301,7 @@ class HFEngine:
         model concatenated in row order (pixel_values [sum P_i, *S]; Qwen VL: image_grid_thw [sum I_i, 3] too,
         with `mm_token_type_ids` [rows, width] for its M-RoPE positions), as its image tokens come row by
         row."""
-        from transformers import GenerationConfig, StoppingCriteriaList
+        from transformers import StoppingCriteriaList
 
         if not rows:
             return []
@@ -286,42 +312,12 @@ class HFEngine:
             input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
             attention_mask[i, width - len(row) :] = 1
         stops = spec.stops(self.eos_token_ids)
-        sampling = {}
-        if not spec.greedy:
-            sampling = {
-                "temperature": float(spec.temperature),
-                "top_p": float(spec.top_p),
-                "top_k": 0 if spec.top_k == -1 else spec.top_k,
-            }
-        config = GenerationConfig(
-            max_new_tokens=spec.max_new_tokens,
-            min_new_tokens=0,
-            do_sample=not spec.greedy,
-            num_beams=1,
-            eos_token_id=list(stops) or None,
-            pad_token_id=self._pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-            # a LLaVA model never samples its image token: the trainer puts image features at those places
-            suppress_tokens=None if self.image_token_id is None else [self.image_token_id],
-            **sampling,
-        )
-        pixels = [p for p in (row_images or ()) if p is not None and p.count]
-        extra: dict[str, torch.Tensor] = {}
-        if pixels:
-            values = torch.cat([p.values for p in pixels])
-            extra["pixel_values"] = values.to(self._device, self._model.dtype)
-        if self.merge is not None and self.image_token_id is not None:  # Qwen VL: see the module docstring
-            image_tokens = input_ids.eq(self.image_token_id) & attention_mask.bool()
-            extra["mm_token_type_ids"] = image_tokens.int().to(self._device)
-            if pixels:
-                grids = [p.grid for p in pixels if p.grid is not None]
-                extra["image_grid_thw"] = torch.cat(grids).long().to(self._device)
+        extra = self._image_inputs(input_ids, attention_mask, row_images)
         with self._rng.active(seed), torch.no_grad():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device),
                 attention_mask=attention_mask.to(self._device),
-                generation_config=config,
+                generation_config=self._generation_config(spec, stops),
                 stopping_criteria=None if stopper is None else StoppingCriteriaList([stopper(width)]),
                 **extra,
             )
@@ -339,6 +335,50 @@ class HFEngine:
             length = len(ids) if end is None else end + 1
             completions.append(Completion(ids[:length], logprobs[i, :length].tolist(), reason))
         return completions
+
+    def _generation_config(self, spec: SamplingSpec, stops: tuple[int, ...]) -> Any:
+        """HF's `GenerationConfig` for `spec`: sampling (or greedy), the stop ids, raw logits returned; the
+        image token suppressed (never sampled)."""
+        from transformers import GenerationConfig
+
+        sampling = {}
+        if not spec.greedy:
+            sampling = {
+                "temperature": float(spec.temperature),
+                "top_p": float(spec.top_p),
+                "top_k": 0 if spec.top_k == -1 else spec.top_k,
+            }
+        return GenerationConfig(
+            max_new_tokens=spec.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not spec.greedy,
+            num_beams=1,
+            eos_token_id=list(stops) or None,
+            pad_token_id=self._pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            # a LLaVA model never samples its image token: the trainer puts image features at those places
+            suppress_tokens=None if self.image_token_id is None else [self.image_token_id],
+            **sampling,
+        )
+
+    def _image_inputs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_images: Images | None
+    ) -> dict[str, torch.Tensor]:
+        """The image inputs of a batch (`_generate_batch`): its rows' pixels concatenated in row order, and for
+        Qwen VL the image-token map and the images' grids (see the module docstring); {} for a text batch."""
+        pixels = [p for p in (row_images or ()) if p is not None and p.count]
+        extra: dict[str, torch.Tensor] = {}
+        if pixels:
+            values = torch.cat([p.values for p in pixels])
+            extra["pixel_values"] = values.to(self._device, self._model.dtype)
+        if self.merge is not None and self.image_token_id is not None:  # Qwen VL: see the module docstring
+            image_tokens = input_ids.eq(self.image_token_id) & attention_mask.bool()
+            extra["mm_token_type_ids"] = image_tokens.int().to(self._device)
+            if pixels:
+                grids = [p.grid for p in pixels if p.grid is not None]
+                extra["image_grid_thw"] = torch.cat(grids).long().to(self._device)
+        return extra
 
     def _check_images(self, prompts: list[list[int]], images: Images | None) -> Images:
         """A request's `images` (one entry per prompt, or None) checked against the prompts (see
@@ -360,10 +400,8 @@ class HFEngine:
                 self._check_pixels(i, pixels, self._pixel_shape)
             try:
                 if self.merge is not None:
-                    _check_image_runs(prompt, pixels, self.image_token_id, self.merge)
+                    check_image_runs(prompt, pixels, self.image_token_id, self.merge)
                 else:
-                    from yatt_ray.train.vision import check_image_count
-
                     count = 0 if pixels is None else pixels.count
                     check_image_count(prompt, count, self.image_token_id, self.tokens_per_image or 0)
             except DataError as e:
@@ -414,7 +452,7 @@ class HFEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a bucket into the model's parameters (names as in `model.state_dict()`; for a LLaVA model
         also as in its checkpoint and, for the language model, as in `LlamaForCausalLM`: see
-        `train.vision.llava_module_name`; for a Qwen VL model also as in its checkpoint: see
+        `model_dir.llava_module_name`; for a Qwen VL model also as in its checkpoint: see
         `qwen_vl_module_name`)."""
         self._check_usable("load_weights")
         targets = self._model.state_dict(keep_vars=True)
@@ -516,33 +554,6 @@ def qwen_vl_module_name(name: str) -> str:
     return name
 
 
-def _check_image_runs(prompt: list[int], pixels: Pixels | None, image_token_id: int, merge: int) -> None:
-    """DataError unless the runs of `image_token_id` in `prompt` are, in order, one per image of
-    `pixels.grid` [I, 3], of t*h*w / merge^2 tokens each (h and w multiples of `merge`)."""
-    runs: list[int] = []
-    for j, t in enumerate(prompt):
-        if t == image_token_id:
-            if j > 0 and prompt[j - 1] == image_token_id:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-    grids = [] if pixels is None or pixels.grid is None else pixels.grid.long().tolist()
-    odd = [g for g in grids if g[1] % merge or g[2] % merge]
-    if odd:
-        raise DataError(
-            f"image grid(s) {odd} (t, h, w patches) are not multiples of the merge size {merge} in h and w: "
-            "pass image_grid_thw from the model's own image processor"
-        )
-    need = [t * h * w // merge**2 for t, h, w in grids]
-    if runs != need:
-        raise DataError(
-            f"the prompt holds image-token runs (id {image_token_id}) of {runs} tokens ({sum(runs)} in all), "
-            f"but its {len(grids)} image(s) of grid {grids} need runs of {need} (t*h*w / {merge}^2 each, "
-            f"{sum(need)} in all): put one image placeholder per image in the prompt, expand each to its "
-            "image's tokens (prompts.PromptEncoder does) and pass the pixels and grid of those same images"
-        )
-
-
 def _finished(completion: Completion, spec: SamplingSpec) -> bool:
     """Whether a row ran to its end: a stop token, or all `max_new_tokens` (prompts are validated to fit)."""
     return completion.finish_reason == "stop" or len(completion.token_ids) == spec.max_new_tokens
@@ -580,3 +591,7 @@ class _GroupsDone(StoppingCriteria):
         done = rows.view(-1, self.n).all(dim=1)
         enough = (done.sum() >= self.k) & done[self.wait_for.to(done.device)].all()
         return enough.expand(batch)  # type: ignore[return-value]
+
+
+if TYPE_CHECKING:
+    _SHAPE: type[RolloutEngine] = HFEngine  # mypy checks that the engine has the protocol's shape

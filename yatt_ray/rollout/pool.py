@@ -47,7 +47,7 @@ import ray
 import torch
 
 from yatt_ray.errors import YattError
-from yatt_ray.rollout.base import Completion, GenerateRequest, OnFinished, derive_seed
+from yatt_ray.rollout.base import Completion, GenerateRequest, Generation, OnFinished, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -413,19 +413,6 @@ class _Pending:
         return self.actor._take_pending()
 
 
-@dataclass
-class Generation:
-    """A request in flight on the engines (`EnginePool.submit`): its sub-requests, and per prompt the results
-    and the weight version that produced them (`EnginePool.age` tells how old)."""
-
-    request: GenerateRequest
-    costs: list[int]
-    results: list[list[Completion] | None]
-    versions: list[Tag]
-    pending: dict[Any, tuple[int, list[int]]] = field(default_factory=dict)
-    avoid: set[int] = field(default_factory=set)  # stale engines this controller cannot refresh
-
-
 @dataclass(frozen=True)
 class EngineHandles:
     """What the driver hands the workers: the engine actors and the router (picklable Ray handles)."""
@@ -523,6 +510,8 @@ class EnginePool:
     `pusher`: this controller pushes weights (data-parallel group 0's); `weights`: gathers the policy's buckets
     for a restarted engine (None when gathering needs other ranks, tp_size > 1); `seed`: this controller's
     sampling stream; `rank`: its data-parallel rank (where `ordered` routing starts)."""
+
+    asynchronous = True  # `submit` / `wait`: requests run on the actors while the controller trains
 
     def __init__(
         self, handles: EngineHandles, pusher: bool, weights: Weights | None, seed: int, attempt: int = 1,

@@ -88,8 +88,10 @@ from yatt_ray.rollout.base import (
     GenerateRequest,
     Images,
     InFlightWeights,
+    InProcessEngine,
     OnFinished,
     PrivateRng,
+    RolloutEngine,
     derive_seed,
     read_eos_token_ids,
     validate_prompts,
@@ -138,7 +140,7 @@ def _scan_vllm_modules_only() -> None:
     dispatcher._rebind_kernels = rebind_in_vllm_modules
 
 
-class VLLMEngine:
+class VLLMEngine(InProcessEngine):
     """`RolloutEngine` on an in-process `vllm.LLM`. See the module docstring for measured behaviour.
 
     Args:
@@ -223,39 +225,13 @@ class VLLMEngine:
         enforce_eager: bool,
         engine_kwargs: dict[str, Any] | None,
     ) -> None:
+        """Build the `vllm.LLM` (the host process's state kept around vLLM's start) and read its limits."""
         with _preserve_process_state():
             from vllm import LLM
 
-            kwargs: dict[str, Any] = dict(
-                model=self.model_dir,
-                dtype=dtype,
-                seed=seed,
-                enforce_eager=enforce_eager,
-                gpu_memory_utilization=gpu_memory_utilization,
-                skip_tokenizer_init=not _has_tokenizer(self.model_dir),
-                use_tqdm_on_load=False,  # a progress bar for reading one local file: noise in the trainer's log
+            kwargs = self._llm_kwargs(
+                seed, dtype, max_model_len, kv_cache_gb, gpu_memory_utilization, enforce_eager, engine_kwargs
             )
-            if max_model_len is not None:
-                kwargs["max_model_len"] = int(max_model_len)
-            if self.takes_image_features:
-                # image features in, no vision tower: a limit of 0 images per prompt with embeddings enabled
-                # makes vLLM skip building and loading its vision encoder (and profiling it) while it still
-                # takes `image_embeds`; the processed-input cache would only keep each step's features
-                # (up to 4 GiB by default), which are new every step: off.
-                kwargs.update(
-                    enable_mm_embeds=True,
-                    limit_mm_per_prompt={"image": 0, "video": 0},
-                    mm_processor_cache_gb=0,
-                )
-            if self._on_cpu:
-                kwargs["kv_cache_memory_bytes"] = int((kv_cache_gb or 1.0) * 2**30)
-                if enforce_eager:
-                    _skip_torch_compile()
-            else:
-                kwargs["enable_sleep_mode"] = True
-                if kv_cache_gb is not None:
-                    kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-            kwargs.update(engine_kwargs or {})
             self._owns_default_group = not (
                 torch.distributed.is_available() and torch.distributed.is_initialized()
             )
@@ -274,6 +250,50 @@ class VLLMEngine:
         self._closed = False
         self._batches = 0  # streamed generate calls (request-id prefix)
         self.last_aborted = 0  # prompts returned as None by the latest generate (finish_after)
+
+    def _llm_kwargs(
+        self,
+        seed: int,
+        dtype: str,
+        max_model_len: int | None,
+        kv_cache_gb: float | None,
+        gpu_memory_utilization: float,
+        enforce_eager: bool,
+        engine_kwargs: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """`vllm.LLM`'s keyword arguments for this engine (see the class docstring), `engine_kwargs` last; on the
+        CPU in eager mode, torch.compile is turned off here (`_skip_torch_compile`)."""
+        kwargs: dict[str, Any] = dict(
+            model=self.model_dir,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            skip_tokenizer_init=not _has_tokenizer(self.model_dir),
+            use_tqdm_on_load=False,  # a progress bar for reading one local file: noise in the trainer's log
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = int(max_model_len)
+        if self.takes_image_features:
+            # image features in, no vision tower: a limit of 0 images per prompt with embeddings enabled
+            # makes vLLM skip building and loading its vision encoder (and profiling it) while it still
+            # takes `image_embeds`; the processed-input cache would only keep each step's features
+            # (up to 4 GiB by default), which are new every step: off.
+            kwargs.update(
+                enable_mm_embeds=True,
+                limit_mm_per_prompt={"image": 0, "video": 0},
+                mm_processor_cache_gb=0,
+            )
+        if self._on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int((kv_cache_gb or 1.0) * 2**30)
+            if enforce_eager:
+                _skip_torch_compile()
+        else:
+            kwargs["enable_sleep_mode"] = True
+            if kv_cache_gb is not None:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        kwargs.update(engine_kwargs or {})
+        return kwargs
 
     @property
     def takes_image_features(self) -> bool:
@@ -421,27 +441,12 @@ class VLLMEngine:
         `updates.ready()`, the running requests are aborted, `updates.take()` loads the new weights, and each
         unfinished sample is sent again as prompt + its tokens so far with the rest of its token budget: it
         continues under the new weights with its prefix kept (vLLM computes the prefix's KV again)."""
-        from vllm.sampling_params import RequestOutputKind
-
         engine = self._llm.llm_engine
         prompts, n = request.prompts, request.spec.n
         self._batches += 1
-        samples = [[_Sample() for _ in range(n)] for _ in prompts]
+        calls = _SampleRequests(engine, requests, params, n, f"yatt-{self._batches}")
+        samples, running = calls.samples, calls.running
         groups: list[list[Completion] | None] = [None] * len(prompts)
-        running: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
-
-        def send(i: int, j: int) -> None:
-            done = len(samples[i][j].tokens)
-            p = params[i].clone()
-            p.n, p.max_tokens, p.output_kind = 1, params[i].max_tokens - done, RequestOutputKind.DELTA
-            p.seed = None if params[i].seed is None else params[i].seed + j + done
-            body = {
-                **requests[i],
-                "prompt_token_ids": list(requests[i]["prompt_token_ids"]) + samples[i][j].tokens,
-            }
-            request_id = f"yatt-{self._batches}-{i}-{j}-{done}"
-            engine.add_request(request_id, typing.cast(Any, body), p)
-            running[request_id] = (i, j)
 
         def enough() -> bool:
             done = len(prompts) - groups.count(None)
@@ -454,7 +459,7 @@ class VLLMEngine:
         try:
             for i in range(len(prompts)):
                 for j in range(n):
-                    send(i, j)
+                    calls.send(i, j)
             while running and not enough():
                 for out in engine.step():
                     if out.request_id not in running:
@@ -470,9 +475,7 @@ class VLLMEngine:
                 if running and updates.ready():
                     engine.abort_request(list(running))
                     version = updates.take()
-                    cut, running = list(running.values()), {}
-                    for i, j in cut:
-                        send(i, j)
+                    calls.send_again()
         finally:
             if running:
                 engine.abort_request(list(running))
@@ -655,6 +658,39 @@ class _Sample:
         if self.reason not in ("stop", "length"):
             raise YattError(f"vLLM finished a completion with reason {self.reason!r} (expected stop/length)")
         return Completion(self.tokens, self.logprobs, typing.cast(FinishReason, self.reason), self.versions)
+
+
+class _SampleRequests:
+    """The samples of one `_generate_in_flight` call, each a vLLM request of its own (n = 1, new tokens
+    streamed), which can be cut and sent again as prompt + its tokens so far with the rest of its budget.
+    `running`: request id -> (prompt, sample) of those on the engine."""
+
+    def __init__(self, engine: Any, requests: list, params: list, n: int, prefix: str) -> None:
+        self.engine, self.requests, self.params, self.prefix = engine, requests, params, prefix
+        self.samples = [[_Sample() for _ in range(n)] for _ in requests]
+        self.running: dict[str, tuple[int, int]] = {}
+
+    def send(self, i: int, j: int) -> None:
+        """Sample j of prompt i onto the engine, from where it stands (seeded `seed_i + j` + its tokens)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        done = len(self.samples[i][j].tokens)
+        base = self.params[i]
+        p = base.clone()
+        p.n, p.max_tokens, p.output_kind = 1, base.max_tokens - done, RequestOutputKind.DELTA
+        p.seed = None if base.seed is None else base.seed + j + done
+        request = self.requests[i]
+        body = {**request, "prompt_token_ids": list(request["prompt_token_ids"]) + self.samples[i][j].tokens}
+        request_id = f"{self.prefix}-{i}-{j}-{done}"
+        self.engine.add_request(request_id, typing.cast(Any, body), p)
+        self.running[request_id] = (i, j)
+
+    def send_again(self) -> None:
+        """Every running sample again (its requests aborted by the caller), under the engine's new weights."""
+        cut = list(self.running.values())
+        self.running.clear()
+        for i, j in cut:
+            self.send(i, j)
 
 
 def _completion(out: Any) -> Completion:
@@ -988,3 +1024,7 @@ def _keep_foreign_process_group(keep: bool):
         yield
     finally:
         parallel_state.destroy_distributed_environment = original
+
+
+if typing.TYPE_CHECKING:
+    _SHAPE: type[RolloutEngine] = VLLMEngine  # mypy checks that the engine has the protocol's shape

@@ -24,7 +24,7 @@ import torch
 
 from yatt_ray.config import Config, DemoConfig
 from yatt_ray.errors import ConfigError
-from yatt_ray.models.tiny import EOS_ID, TinyModelSpec, build_tiny_model
+from yatt_ray.models.tiny import TinyModelSpec, build_tiny_model, sft_tensors
 from yatt_ray.tasks import arithmetic, longtail, visual
 from yatt_ray.tasks.arithmetic import write_parquet
 from yatt_ray.tasks.vision_demo import build_warm_vlm
@@ -161,17 +161,3 @@ def _build_warm_model(model_dir: Path, demo: DemoConfig) -> None:
 def _sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """SFT tensors for prompt + answer + EOS (see `sft_tensors`)."""
     return sft_tensors(tokenizer, [(r["prompt"], r["ground_truth"]) for r in rows])
-
-
-def sft_tensors(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [B, T] input ids and labels for (prompt, target) text pairs: prompt + target + EOS, with
-    labels -100 on the prompt and the padding, so the loss is on the target and its EOS only."""
-    prompts = [tokenizer(p)["input_ids"] for p, _ in pairs]
-    targets = [tokenizer(t, add_special_tokens=False)["input_ids"] + [EOS_ID] for _, t in pairs]
-    width = max(len(p) + len(t) for p, t in zip(prompts, targets))
-    input_ids = torch.zeros(len(pairs), width, dtype=torch.long)
-    labels = torch.full_like(input_ids, -100)
-    for i, (p, t) in enumerate(zip(prompts, targets)):
-        input_ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-        labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)
-    return input_ids, labels

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from yatt_ray.models.tiny import TinyModelSpec, build_tiny_model
+from yatt_ray.models.tiny import TinyModelSpec, build_tiny_model, sft_tensors
 
 DEMO_TEMPLATE = "{response}|{ground_truth}?"  # e.g. "19|19?" -> "Y"; the prompt is not needed here
 YES, NO = "Y", "N"
@@ -52,8 +52,6 @@ def judge_examples(count: int, seed: int, max_operand: int) -> list[tuple[str, s
 def build_demo_judge(out_dir: Path, sft_steps: int, max_operand: int, batch: int = 32) -> Path:
     """Random tiny Llama -> `sft_steps` AdamW steps on verdict tokens -> a Hugging Face directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from yatt_ray.tasks.demo import sft_tensors
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     build_tiny_model(tmp, TinyModelSpec(num_layers=4, seed=1))

@@ -5,7 +5,7 @@ Importing this package does not import Megatron; the functions that need it impo
 
 from yatt_ray.train.cpu_shims import apply_cpu_shims
 from yatt_ray.train.critic import MegatronCritic
-from yatt_ray.train.hf_convert import LlamaShape, check_tp_size, hf_to_megatron, megatron_to_hf
+from yatt_ray.train.hf_convert import check_tp_size, hf_to_megatron, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
 from yatt_ray.train.micro_batches import plan_micro_batches
 from yatt_ray.train.model import (
@@ -21,7 +21,6 @@ from yatt_ray.train.packing import SharedPrefixRows, pack_shared_prefix
 from yatt_ray.train.policy import MegatronPolicy
 
 __all__ = [
-    "LlamaShape",
     "MegatronCritic",
     "MegatronPolicy",
     "SharedPrefixRows",

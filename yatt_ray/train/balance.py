@@ -381,7 +381,15 @@ def exchange(
     if plan.moved == 0:
         return batch, Restore(), stats
     shards = [dataclasses.replace(sh, group_size=size) for sh in gathered]
-    batch = dataclasses.replace(batch, group_size=size)
+    joined = _move(dataclasses.replace(batch, group_size=size), plan, shards, me, group)
+    return joined, Restore(plan, tuple(shards), me, group), stats
+
+
+def _move(batch: RolloutBatch, plan: Plan, shards: list[_Shard], me: int, group) -> RolloutBatch:
+    """Rank `me`'s balanced batch under `plan`: its units sent to the ranks that take them and theirs
+    received (worker to worker), joined in the plan's order with the local batch's counters, `truncated` and
+    `prompts_clipped`. `batch` and `shards` (every rank's) are in the plan's unit size."""
+    world = len(shards)
     mine = shards[me]
     sends = {
         r: _to_bytes(_message(_pick(batch, mine.rows_of(plan.units(me, r)))))
@@ -399,7 +407,7 @@ def exchange(
     joined = concat(pieces) if pieces else _pick(batch, [])
     joined.counters, joined.truncated = dict(batch.counters), batch.truncated
     joined.prompts_clipped = batch.prompts_clipped
-    return joined, Restore(plan, tuple(shards), me, group), stats
+    return joined
 
 
 def _check_same_layout(shards: list[_Shard]) -> None:

@@ -11,7 +11,7 @@ measured fastest, `weight_grad`) through oneDNN instead of `torch.matmul`. torch
 fp32 GEMM with MKL, which on AMD CPUs picks a slow code path: measured on this project's 2-core AMD EPYC
 (AVX-512), `torch.matmul` [2560, 512] x [512, 2048] reached 190 GFLOP/s and oneDNN 470-510 GFLOP/s, fp32 both
 (largest difference 1.4e-4 on outputs of size ~20: accumulation order); on other CPUs MKL can be the faster,
-so each worker measures both and takes the faster (`kernels.choose_kernels`). `release/bench_vs_trl.py` shows
+so each worker measures both and takes the faster (`kernel_timing.choose_kernels`). `release/bench_vs_trl.py` shows
 what it buys end to end.
 
 Not patched on purpose:

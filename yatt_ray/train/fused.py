@@ -3,7 +3,7 @@
 Both write each half of their output (or gradient) in place where Megatron's unfused code concatenates, and
 `install()` routes Megatron's layers through them (idempotent; anything they do not cover goes to Megatron's own
 function). Measured side by side on the 25M-parameter shape of `release/bench_vs_trl.py` (one process, fp32, a
-32 x 8 group batch, alternating steps): RoPE 11% off the train step, SwiGLU a further 3% (README).
+32 x 8 group batch, alternating steps): RoPE 11% off the train step, SwiGLU a further 3% (docs/performance.md).
 
 RoPE. Megatron's unfused path (`rope_utils._apply_rotary_pos_emb_bshd`) builds `rotate_half(x)` with a `torch.cat`,
 multiplies twice, and concatenates the (empty) un-rotated tail back on: three full copies of q and k per

@@ -19,19 +19,27 @@ import torch
 from yatt_ray.batch import Pixels, PromptImages
 from yatt_ray.errors import DataError
 from yatt_ray.model_dir import is_vision_model
+from yatt_ray.model_shape import LlamaShape
 from yatt_ray.train import qwen_vl
-from yatt_ray.train.hf_convert import StateDict, megatron_to_hf
+from yatt_ray.train.hf_convert import StateDict, hf_to_megatron, megatron_to_hf
 from yatt_ray.train.logprobs import token_logprobs_and_entropy
-from yatt_ray.train.model import build_gpt_model, forward_packed, load_hf_weights, model_rows
+from yatt_ray.train.model import (
+    build_gpt_model,
+    forward_packed,
+    load_hf_weights,
+    load_megatron_shard,
+    model_rows,
+    read_hf_state_dict,
+)
 from yatt_ray.train.packing import pack_shared_prefix
 from yatt_ray.train.trainer_base import MegatronTrainerBase, write_hf_dir
 from yatt_ray.train.vision import (
     VisionEncoder,
     forward_packed_with_images,
     join_llava_state_dict,
-    load_language_model_weights,
     packed_image_index,
     set_trainable,
+    split_llava_state_dict,
 )
 
 Encoder = VisionEncoder | qwen_vl.QwenVisionEncoder
@@ -355,6 +363,23 @@ def packed_logprobs_and_entropy(
         at_extra = logits.reshape(-1, logits.shape[-1])[packed.extra_at]  # [E, V/tp]
         extra, _ = token_logprobs_and_entropy(at_extra, packed.extra_targets, tp_group)
     return packed.unpack(logp, extra), packed.unpack(entropy)
+
+
+def load_language_model_weights(model, model_dir: str | Path, shape: LlamaShape) -> None:
+    """Copy this TP rank's shard of a vision-language directory's language model (LLaVA's Llama, or Qwen VL's
+    Qwen2) into a GPTModel from `build_gpt_model(LlamaShape.from_hf_dir(model_dir))` (the counterpart of
+    `model.load_hf_weights`)."""
+    from megatron.core import parallel_state as ps
+
+    split = qwen_vl.split_qwen_vl_state_dict if shape.mrope_section is not None else split_llava_state_dict
+    lm, _ = split(read_hf_state_dict(model_dir))
+    shard = hf_to_megatron(
+        lm,
+        shape,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+    )
+    load_megatron_shard(model, shard, model_dir)
 
 
 def _encode(encoder: Encoder, images: PromptImages, device) -> torch.Tensor:

@@ -40,30 +40,6 @@ from yatt_ray.model_dir import qwen_vl_config
 from yatt_ray.train.hf_convert import StateDict
 
 
-def text_config_dict(cfg: dict) -> tuple[dict, tuple[int, int, int]]:
-    """A Qwen VL config.json dict -> (its language model as a plain `qwen2` config dict, mrope_section).
-
-    Reads both layouts: transformers 5's `text_config`, and the older flat one (text keys at the top level,
-    `rope_scaling: {"type": "mrope", "mrope_section": [...]}`) that hub checkpoints were saved with."""
-    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    section = rope.get("mrope_section")
-    if section is None or len(section) != 3:
-        raise ConfigError(
-            f"a {cfg.get('model_type')} config without a 3-part rope mrope_section ({rope}); the checkpoint's "
-            "config.json should carry text_config.rope_parameters.mrope_section (e.g. [16, 24, 24])"
-        )
-    theta = float(rope.get("rope_theta") or text.get("rope_theta") or 1000000.0)
-    text.pop("rope_scaling", None)
-    text.update(
-        model_type="qwen2",
-        architectures=["Qwen2ForCausalLM"],
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-    )
-    return text, (int(section[0]), int(section[1]), int(section[2]))
-
-
 # ---------------------------------------------------------------------------------------------- positions
 def mrope_positions(
     ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_token_id: int, merge: int

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from yatt_ray.metrics.timeline import SpanRecorder
-from yatt_ray.train.hf_convert import LlamaShape, StateDict
+from yatt_ray.model_shape import LlamaShape
+from yatt_ray.train.hf_convert import StateDict
 from yatt_ray.train.micro_batches import micro_batch_indices, select_rows
 from yatt_ray.train.model import init_parallel_state, seed_everything, tp_partial_grad_parameters
 from yatt_ray.train.optimizer import MainParamOptimizer, main_grad

@@ -41,7 +41,8 @@ import torch
 
 from yatt_ray.errors import ConfigError, DataError
 from yatt_ray.model_dir import llava_config, tokens_per_image
-from yatt_ray.train.hf_convert import LlamaShape, StateDict, hf_to_megatron
+from yatt_ray.model_shape import LlamaShape
+from yatt_ray.train.hf_convert import StateDict
 from yatt_ray.train.packing import PAD_SEGMENT, SharedPrefixRows
 
 TRAIN_VISION_MODES = ("none", "projector", "all")
@@ -57,67 +58,6 @@ _VISION_PREFIXES: dict[str, tuple[str, ...]] = {
     "checkpoint": ("vision_tower.", "multi_modal_projector."),
     "module": ("model.vision_tower.", "model.multi_modal_projector."),
 }
-
-
-# ---------------------------------------------------------------------------------------------- image tokens
-def expand_image_tokens(
-    ids: list[int], image_token_id: int, tokens_per_image: int | list[int], num_images: int | None = None
-) -> list[int]:
-    """Each `image_token_id` in `ids` (one placeholder per image) becomes `tokens_per_image` copies, as
-    transformers' `LlavaProcessor` expands `<image>` (a list: image k's own count, as Qwen VL's processor
-    expands `<|image_pad|>` by its grid); other ids are kept in order.
-
-    len(result) = len(ids) + (tokens_per_image - 1) * ids.count(image_token_id). With `num_images`, first
-    checks that the placeholders number exactly `num_images` (DataError otherwise), which also catches ids
-    that were expanded already.
-    """
-    if isinstance(tokens_per_image, list):
-        counts = tokens_per_image
-        num_images = len(counts)
-    else:
-        counts = [tokens_per_image] * ids.count(image_token_id)
-    if any(c < 1 for c in counts):
-        raise ConfigError(f"tokens_per_image={tokens_per_image} must be >= 1")
-    if num_images is not None:
-        check_image_count(ids, num_images, image_token_id, tokens_per_image=1)
-    out: list[int] = []
-    image = iter(counts)
-    for t in ids:
-        out.extend([t] * next(image) if t == image_token_id else (t,))
-    return out
-
-
-def check_image_count(
-    ids: list[int] | torch.Tensor, num_images: int, image_token_id: int, tokens_per_image: int
-) -> None:
-    """Raise DataError unless `ids` hold exactly `num_images * tokens_per_image` image tokens, in runs whose
-    lengths are multiples of `tokens_per_image` (an image's tokens are consecutive).
-
-    `tokens_per_image=1` checks placeholders before `expand_image_tokens`; the model's value checks the
-    expanded ids that the engine and the trainer see.
-    """
-    seq = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    runs: list[int] = []
-    for i, t in enumerate(seq):
-        if t == image_token_id:
-            if i > 0 and seq[i - 1] == image_token_id:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-    found = sum(runs)
-    what = "placeholders" if tokens_per_image == 1 else f"image tokens ({tokens_per_image} per image)"
-    if found != num_images * tokens_per_image:
-        raise DataError(
-            f"the prompt holds {found} {what} (id {image_token_id}) but {num_images} image(s) came with it, "
-            f"which need {num_images * tokens_per_image}: put one `<image>` per image in the prompt text, and "
-            "expand the ids once (expand_image_tokens) before generation and training"
-        )
-    bad = [r for r in runs if r % tokens_per_image]
-    if bad:
-        raise DataError(
-            f"image-token runs of lengths {bad} are not multiples of tokens_per_image={tokens_per_image}: an "
-            "image's tokens were cut (a prompt clipped inside an image?); clip prompts outside image tokens"
-        )
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -188,47 +128,6 @@ def join_llava_state_dict(lm_sd: StateDict, vision_sd: StateDict, layout: Layout
             f"vision keys {wrong[:3]} are not in the {layout!r} layout {_VISION_PREFIXES[layout]}"
         )
     return out | vision_sd
-
-
-def llava_module_name(name: str) -> str:
-    """The `LlavaForConditionalGeneration.state_dict()` name (transformers 5) of a weight named as in a
-    checkpoint (either layout, hub `vision_tower.vision_model.*` included) or as in `LlamaForCausalLM`
-    (`model.layers.0...` -> `model.language_model.layers.0...`): what an engine needs for a weight sync."""
-    renames = (
-        ("language_model.model.", "model.language_model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("vision_tower.vision_model.", "model.vision_tower."),
-        ("vision_tower.", "model.vision_tower."),
-        ("multi_modal_projector.", "model.multi_modal_projector."),
-    )
-    if name.startswith(("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")):
-        return name
-    for old, new in renames:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    if name.startswith("model."):  # a Llama name: the language model's body
-        return "model.language_model." + name[len("model.") :]
-    return name  # lm_head.* and anything else: unchanged
-
-
-def load_language_model_weights(model, model_dir: str | Path, shape: LlamaShape) -> None:
-    """Copy this TP rank's shard of a vision-language directory's language model (LLaVA's Llama, or Qwen VL's
-    Qwen2) into a GPTModel from `build_gpt_model(LlamaShape.from_hf_dir(model_dir))` (the counterpart of
-    `model.load_hf_weights`)."""
-    from megatron.core import parallel_state as ps
-
-    from yatt_ray.train.model import load_megatron_shard, read_hf_state_dict
-    from yatt_ray.train.qwen_vl import split_qwen_vl_state_dict
-
-    split = split_qwen_vl_state_dict if shape.mrope_section is not None else split_llava_state_dict
-    lm, _ = split(read_hf_state_dict(model_dir))
-    shard = hf_to_megatron(
-        lm,
-        shape,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-    )
-    load_megatron_shard(model, shard, model_dir)
 
 
 # ---------------------------------------------------------------------------------------------- encoder
