@@ -32,7 +32,10 @@ from yatt_ray.batch import Pixels
 from yatt_ray.errors import ConfigError, YattError
 
 FinishReason = Literal["stop", "length"]
-ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # train.dtype / reward.genrm.dtype -> an engine's dtype
+ENGINE_DTYPES = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}  # train.dtype / reward.genrm.dtype -> an engine's dtype
 # per prompt: its images' `Pixels` (LLaVA: values [I, C, H, W]; Qwen VL: values [patches, 1176] and grid [I, 3]),
 # or None for a text-only prompt
 Images = list[Pixels | None]
