@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import threading
 import time
@@ -176,6 +177,8 @@ def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startu
     plan = plan_placement(config, ray.cluster_resources(), _model_sizes(config))
     real_gpus = _gpus_are_real(plan, config.cluster.timeout_s)
     engine = _resolve_engine(config, plan, real_gpus)  # on CPUs "auto" may time both engines (cached)
+    if plan.genrm is not None:
+        engine += f"\n  judge engine: {_resolve_judge_engine(config, plan, real_gpus)}"
     validate(config)  # the resolved config (paths, demo inputs, engine, checkpoint dir) is valid too ...
     config.freeze()  # ... and from here on read-only: the workers and GenRM replicas get exactly this
     write_run_config(config, output_dir)  # config.yaml: once, in this run's own folder
@@ -467,6 +470,49 @@ def _resolve_engine(config: Config, plan, on_gpu: bool) -> str:
     kwargs = engine_kwargs(config, config.train.seed) if shape is not None else None
     choice = auto_engine(config.model.path, on_gpu, shape, kwargs)
     config.rollout.engine = choice.kind  # type: ignore[assignment]
+    return choice.describe()
+
+
+JUDGE_TEMPLATE_TOKENS = 48  # the judge template's own tokens, beside the prompt, response and answer it holds
+
+
+def _resolve_judge_engine(config: Config, plan, on_gpu: bool) -> str:
+    """`reward.genrm.engine=auto` decided once on the driver, as `_resolve_engine` decides the rollout's: on CPUs
+    the faster engine timed at a judge call's shape (up to `batch_size` verdicts of `max_new_tokens` greedy
+    tokens after a judge prompt of about the policy's prompt + response + `JUDGE_TEMPLATE_TOKENS`, capped at
+    `max_prompt_tokens`, on a replica's CPUs in an actor; cached per machine, judge and shape); vLLM on GPUs
+    and wherever the judge is split over accelerators (tensor parallelism is vLLM's). Returns the plan's line."""
+    from yatt_ray.rollout import ENGINE_DTYPES, auto_engine, resolve_engine_kind
+    from yatt_ray.rollout.engine_choice import RolloutShape
+
+    g = config.reward.genrm
+    if g.engine != "auto":
+        resolve_engine_kind(g.engine, g.path, on_gpu=on_gpu)
+        return f"{g.engine} (reward.genrm.engine={g.engine})"
+    if g.accelerators_per_replica > 1:
+        g.engine = "vllm"
+        return "vllm (auto: a judge split over accelerators needs vLLM's tensor parallelism)"
+    samples = math.ceil(config.train.prompts_per_step * config.rollout.over_sample) * config.rollout.n
+    answer = config.data.max_prompt_tokens + config.rollout.max_new_tokens + JUDGE_TEMPLATE_TOKENS
+    shape = None
+    if not on_gpu:
+        shape = RolloutShape(
+            prompts=max(1, min(g.batch_size, samples)),
+            prompt_tokens=max(1, min(g.max_prompt_tokens, answer)),
+            n=1,
+            max_new_tokens=g.max_new_tokens,
+            threads=int(plan.genrm.bundles()[0]["CPU"]),
+            dtype=ENGINE_DTYPES[g.dtype],
+            beside_trainer=False,  # a Serve replica: an actor of its own
+        )
+    kwargs = dict(
+        seed=0,
+        dtype=ENGINE_DTYPES[g.dtype],
+        kv_cache_gb=g.kv_cache_gb,
+        max_model_len=g.max_prompt_tokens + g.max_new_tokens,
+    )
+    choice = auto_engine(g.path, on_gpu, shape, kwargs if shape is not None else None)
+    g.engine = choice.kind  # type: ignore[assignment]
     return choice.describe()
 
 

@@ -128,7 +128,7 @@ def test_resume_past_a_damaged_checkpoint_on_changing_worker_counts(first_run, t
 
 
 def test_a_continued_run_that_loses_a_worker_resumes_from_its_own_newest_commit(first_run, tmp_path):
-    """The README's continuation (checkpoint.resume=<an earlier run's folder>) loses a worker after two commits
+    """docs/checkpoints.md's continuation (checkpoint.resume=<an earlier run's folder>) loses a worker after two commits
     of its own: it restarts from its own newest commit, not from the earlier folder again (which used to
     delete the commits it had written since), keeps every commit, and trains each prompt of the epoch once
     together with the earlier run."""

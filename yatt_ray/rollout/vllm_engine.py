@@ -167,17 +167,8 @@ class VLLMEngine(InProcessEngine):
         enforce_eager: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ConfigError(f"VLLMEngine dtype={dtype!r} is not one of {list(_DTYPES)}")
-        if kv_cache_gb is not None and kv_cache_gb <= 0:
-            raise ConfigError(f"VLLMEngine kv_cache_gb={kv_cache_gb} must be > 0 (GiB) or None")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ConfigError(f"VLLMEngine gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+        _check_arguments(model_dir, dtype, kv_cache_gb, gpu_memory_utilization)
         self.model_dir = str(model_dir)
-        if not (Path(self.model_dir) / "config.json").is_file():
-            raise ConfigError(
-                f"VLLMEngine: {self.model_dir} holds no config.json: pass a Hugging Face model dir"
-            )
         prepare_vllm_environment()
         from vllm.platforms import current_platform
 
@@ -207,35 +198,30 @@ class VLLMEngine(InProcessEngine):
                 )
             _LIVE_ENGINE.append(self)
         try:
-            self._start(
-                seed, dtype, max_model_len, kv_cache_gb, gpu_memory_utilization, enforce_eager, engine_kwargs
-            )
+            with _preserve_process_state():  # vLLM's start (and its import) leaves the host process as it was
+                kwargs = self._llm_kwargs(
+                    seed,
+                    dtype,
+                    max_model_len,
+                    kv_cache_gb,
+                    gpu_memory_utilization,
+                    enforce_eager,
+                    engine_kwargs,
+                )
+                self._start(seed, kwargs)
         except BaseException:
             with _LIVE_LOCK:
                 _LIVE_ENGINE.remove(self)
             raise
 
-    def _start(
-        self,
-        seed: int,
-        dtype: str,
-        max_model_len: int | None,
-        kv_cache_gb: float | None,
-        gpu_memory_utilization: float,
-        enforce_eager: bool,
-        engine_kwargs: dict[str, Any] | None,
-    ) -> None:
-        """Build the `vllm.LLM` (the host process's state kept around vLLM's start) and read its limits."""
-        with _preserve_process_state():
-            from vllm import LLM
+    def _start(self, seed: int, kwargs: dict[str, Any]) -> None:
+        """Build the `vllm.LLM` from `kwargs` (`_llm_kwargs`) and read its limits."""
+        from vllm import LLM
 
-            kwargs = self._llm_kwargs(
-                seed, dtype, max_model_len, kv_cache_gb, gpu_memory_utilization, enforce_eager, engine_kwargs
-            )
-            self._owns_default_group = not (
-                torch.distributed.is_available() and torch.distributed.is_initialized()
-            )
-            self._llm = LLM(**kwargs)
+        self._owns_default_group = not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        )
+        self._llm = LLM(**kwargs)
         model_config = self._llm.llm_engine.model_config
         self.max_model_len: int = int(model_config.max_model_len)
         self.vocab_size: int = int(model_config.get_vocab_size())
@@ -969,6 +955,20 @@ def cpu_unsupported_reason(model_dir: str) -> str | None:
         f"vLLM's CPU attention cannot run {model_dir}: head size {head_dim} is not one of {supported} "
         "(hidden_size / num_attention_heads). Use a model with a supported head size, or the 'hf' engine."
     )
+
+
+def _check_arguments(
+    model_dir: str | Path, dtype: str, kv_cache_gb: float | None, gpu_memory_utilization: float
+) -> None:
+    """ConfigError naming the value for an engine argument vLLM would reject later, or less clearly."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"VLLMEngine dtype={dtype!r} is not one of {list(_DTYPES)}")
+    if kv_cache_gb is not None and kv_cache_gb <= 0:
+        raise ConfigError(f"VLLMEngine kv_cache_gb={kv_cache_gb} must be > 0 (GiB) or None")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError(f"VLLMEngine gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(f"VLLMEngine: {model_dir} holds no config.json: pass a Hugging Face model dir")
 
 
 @contextmanager
