@@ -194,7 +194,9 @@ class GenRMConfig(_Section):
     # an unparsable verdict (counted in genrm/parse_failures): zero (score 0), rule (the sample's rule reward)
     # or raise (stop the run)
     on_parse_error: ParseErrorPolicy = "zero"
-    # the judge's engine: vllm, hf or auto (vLLM when installed and it can run the judge, else hf)
+    # the judge's engine: vllm, hf or auto (decided on the driver: vLLM on GPUs and for a judge split over
+    # accelerators; on CPUs the faster of the two timed at a judge call's shape, cached per machine; hf where
+    # vLLM cannot run the judge)
     engine: EngineKind = "auto"
     dtype: TrainDtype = "fp32"  # the judge's weights and compute (frozen: bf16 halves its memory on a GPU)
     max_new_tokens: int = 4  # the longest verdict in tokens (the judge decodes greedily)

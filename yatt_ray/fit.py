@@ -478,10 +478,13 @@ JUDGE_TEMPLATE_TOKENS = 48  # the judge template's own tokens, beside the prompt
 
 def _resolve_judge_engine(config: Config, plan, on_gpu: bool) -> str:
     """`reward.genrm.engine=auto` decided once on the driver, as `_resolve_engine` decides the rollout's: on CPUs
-    the faster engine timed at a judge call's shape (up to `batch_size` verdicts of `max_new_tokens` greedy
-    tokens after a judge prompt of about the policy's prompt + response + `JUDGE_TEMPLATE_TOKENS`, capped at
-    `max_prompt_tokens`, on a replica's CPUs in an actor; cached per machine, judge and shape); vLLM on GPUs
-    and wherever the judge is split over accelerators (tensor parallelism is vLLM's). Returns the plan's line."""
+    the faster engine timed at a judge call's shape, cached per machine, judge and shape; vLLM on GPUs and
+    wherever the judge is split over accelerators (tensor parallelism is vLLM's). Returns the plan's line.
+
+    A judge call: B verdicts of `max_new_tokens` greedy tokens after judge prompts of about the policy's prompt +
+    response + `JUDGE_TEMPLATE_TOKENS` (at most `max_prompt_tokens`), on a replica's CPUs in an actor, where
+    B = min(batch_size, a step's samples / replicas) in full placement (judged after the rollout) and
+    min(batch_size, rollout.n) otherwise (samples streamed to the judges as each prompt's finish)."""
     from yatt_ray.rollout import ENGINE_DTYPES, auto_engine, resolve_engine_kind
     from yatt_ray.rollout.engine_choice import RolloutShape
 
@@ -493,6 +496,10 @@ def _resolve_judge_engine(config: Config, plan, on_gpu: bool) -> str:
         g.engine = "vllm"
         return "vllm (auto: a judge split over accelerators needs vLLM's tensor parallelism)"
     samples = math.ceil(config.train.prompts_per_step * config.rollout.over_sample) * config.rollout.n
+    if plan.mode != "full":  # streamed to the judges as generated: about one prompt's samples a batch
+        samples = config.rollout.n
+    else:  # judged after the rollout: a step's samples spread over the replicas
+        samples = math.ceil(samples / max(1, plan.genrm.replicas))
     answer = config.data.max_prompt_tokens + config.rollout.max_new_tokens + JUDGE_TEMPLATE_TOKENS
     shape = None
     if not on_gpu:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import yatt_ray
+from tests.integration.runs import PROMPTS, assert_each_prompt_once, short_run, train_steps
 from yatt_ray.checkpoint import CheckpointStore
 from yatt_ray.config import Config
 from yatt_ray.testing.drills import (
@@ -32,34 +32,6 @@ from yatt_ray.testing.drills import (
 from yatt_ray.testing.faults import FAIL_WRITES
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parents[2]
-PROMPTS = 8
-
-
-def short_run(ckpt_dir, out, steps: int, *overrides: str):
-    from yatt_ray.tasks.demo import prepare_demo
-
-    demo = prepare_demo(Config())
-    config = yatt_ray.load_config(
-        REPO / "examples/configs/grpo.yaml",
-        [f"model.path={demo.model.path}", f"data.train_files=[{demo.data.train_files[0]}]", "data.eval_files=[]",
-         f"output.dir={out}", "output.progress=false", "output.tensorboard=false", "output.plot=false",
-         f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "rollout.n=2", "train.dp_size=2",
-         f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", *overrides],
-    )  # fmt: skip
-    return yatt_ray.fit(config)
-
-
-def train_steps(result) -> list[int]:
-    return [int(r["step"]) for r in result.history if "reward_mean" in r]
-
-
-def assert_each_prompt_once(ckpt_dir: str, steps: int, earlier: tuple[str, ...] = ()) -> None:
-    audit = prompt_audit(ckpt_dir, earlier=earlier)
-    assert audit.steps == steps and audit.prompts == steps * PROMPTS, audit
-    assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
-
-
 # the first run's lineage trains in bf16 with the optimizer sharded over the data-parallel ranks, so its resumes
 # on other worker counts cut the optimizer state from 2 shards to 1 whole and back
 PRECISION = ("train.dtype=bf16", "train.distributed_optimizer=true")

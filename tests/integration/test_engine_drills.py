@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_checkpoint_resume import PROMPTS, short_run, train_steps
-from tests.integration.test_engine_pool_fit import ENGINES
+from tests.integration.runs import ENGINES, assert_each_prompt_once, short_run, train_steps
 from yatt_ray.testing.drills import (
     committed_steps,
     kill_engine_between_pushes,
     kill_engine_in_push,
-    prompt_audit,
     prompt_records,
     when,
 )
@@ -43,9 +41,7 @@ def _drill(tmp_path, name: str, steps: int, *overrides: str):
     # one training attempt: no restart, no step redone, every prompt record of attempt 1
     assert not result.metric("checkpoint/resumed_from") and result.steps_redone == 0
     assert {r["attempt"] for r in prompt_records(ckpt)} == {1}
-    audit = prompt_audit(ckpt)
-    assert audit.steps == steps and audit.prompts == steps * PROMPTS, audit
-    assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
+    assert_each_prompt_once(ckpt, steps)
     assert sum(result.metric("rollout/failed_broadcasts")) >= 1  # the kill landed in a push ...
     assert sum(result.metric("rollout/resent_prompts")) > 0  # ... and the killed engines' prompts went again
     return result

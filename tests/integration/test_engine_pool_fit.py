@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_checkpoint_resume import PROMPTS, short_run, train_steps
+from tests.integration.runs import ENGINES, PROMPTS, short_run, train_steps
 from yatt_ray.testing.drills import (
     committed_steps,
     kill_engine_actor,
@@ -20,9 +20,6 @@ from yatt_ray.testing.drills import (
 )
 
 pytestmark = pytest.mark.cluster
-# two engine actors on logical GPUs of their own, beside the two trainers' (the checkpoint drills' short run)
-ENGINES = ("rollout.engine=hf", "placement.mode=disaggregated", "placement.rollout_engines=2",
-           "cluster.use_gpu=true", "cluster.cpus_per_worker=1")  # fmt: skip
 
 
 def pooled_run(ckpt_dir, out, steps: int, *overrides: str):

@@ -14,12 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import yatt_ray
+from tests.integration.runs import run
 from yatt_ray.models.families import build_family_model
 from yatt_ray.tasks import arithmetic
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}|{% else %}{{ m['content'] }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
@@ -52,16 +51,12 @@ def test_a_family_trains_from_a_verl_file_with_vllm(family, ray_cluster, tmp_pat
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(model)
     data = verl_parquet(tmp_path / "train.parquet", 32)
-    config = yatt_ray.load_config(
-        REPO / "examples/configs/grpo.yaml",
-        [f"model.path={model}", f"data.train_files=[{data}]", "data.eval_files=[]",
-         "data.answer_key=reward_model.ground_truth", "data.id_key=extra_info.index", "reward.function=math",
-         "data.system_prompt=Add", "rollout.engine=vllm", f"output.dir={tmp_path / 'run'}",
-         "output.progress=false", "output.tensorboard=false", "output.plot=false", "train.steps=3",
-         "train.prompts_per_step=8", "rollout.n=4", "train.dp_size=2", "checkpoint.enable=false",
-         *PRECISION[family]],
+    result = run(
+        "grpo", tmp_path / "run", f"model.path={model}", f"data.train_files=[{data}]", "data.eval_files=[]",
+        "data.answer_key=reward_model.ground_truth", "data.id_key=extra_info.index", "reward.function=math",
+        "data.system_prompt=Add", "rollout.engine=vllm", "train.steps=3", "train.prompts_per_step=8",
+        "rollout.n=4", "train.dp_size=2", "checkpoint.enable=false", *PRECISION[family],
     )  # fmt: skip
-    result = yatt_ray.fit(config)
     steps = [r for r in result.history if "reward_mean" in r]
     assert [int(r["step"]) for r in steps] == [1, 2, 3]
     assert all(r["samples"] == 32 for r in steps)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import yatt_ray
+from tests.integration import runs
 from yatt_ray.config import Config
 
 pytestmark = pytest.mark.cluster
@@ -26,15 +26,10 @@ STEP_KEYS = {
 }  # fmt: skip
 
 
-def demo_config(tmp_path) -> Config:
-    return yatt_ray.load_config(
-        "examples/configs/grpo.yaml", [f"output.dir={tmp_path}", "output.progress=false"]
-    )
-
-
 @pytest.fixture(scope="module")
-def run(ray_cluster, demo_cache, tmp_path_factory, monkeypatch_module):
-    """Run fit() once with every object the driver fetches through ray.get recorded."""
+def run(shared_runs, monkeypatch_module):
+    """The demo (examples/configs/grpo.yaml as it stands), once a session, with every object the driver fetches
+    through ray.get recorded."""
     import ray
 
     received = []
@@ -45,10 +40,14 @@ def run(ray_cluster, demo_cache, tmp_path_factory, monkeypatch_module):
         received.append(value)
         return value
 
-    monkeypatch_module.setattr(ray, "get", recording_get)
-    result = yatt_ray.fit(demo_config(tmp_path_factory.mktemp("fit")))
-    monkeypatch_module.setattr(ray, "get", real_get)
-    return result, received
+    def start(out):
+        monkeypatch_module.setattr(ray, "get", recording_get)
+        try:
+            return runs.run("grpo", out, quiet=False), received
+        finally:
+            monkeypatch_module.setattr(ray, "get", real_get)
+
+    return shared_runs.get("demo", start)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +102,19 @@ def test_outputs_written(run):
     assert set(marks) == set(STAGE_NAMES), set(STAGE_NAMES) ^ set(marks)  # the demo reaches every stage
     assert sorted(marks, key=marks.get) == list(STAGE_NAMES)  # in run order: the stream is waited for
     # before step 1 starts, so step 1 holds no cold start
+
+
+def test_the_result_a_notebook_shows_and_the_run_folder_config(run):
+    """What `fit()` hands a notebook: a summary, not the history; the history as a DataFrame, one row a step;
+    the run folder's config.yaml is the config the run used (a later `--config` repeats it)."""
+    result, _ = run
+    text = repr(result)
+    assert len(text) < 600 and "steps='80/80'" in text and result.checkpoint_path in text, text
+    assert "<table>" in result._repr_html_() and "reward_mean" not in result._repr_html_()
+    frame = result.history_frame()
+    assert list(frame.index) == list(range(0, 81))  # step 0: the eval before RL
+    assert frame["reward_mean"].dropna().tolist() == result.metric("reward_mean")
+    assert result.config.train.steps == 80  # and config.yaml holds it (`runs.run` checks every run's folder)
 
 
 def test_final_checkpoint_is_a_hf_directory(run):

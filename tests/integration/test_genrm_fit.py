@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import yatt_ray
+from tests.integration.runs import run
 from yatt_ray.testing.drills import committed_steps, kill_training_worker, prompt_audit, when
 
 pytestmark = pytest.mark.cluster
@@ -26,80 +27,67 @@ pytestmark = pytest.mark.cluster
 STEPS = 60
 
 
-def genrm_run(tmp_path, mode: str, *extra: str) -> yatt_ray.Result:
-    config = yatt_ray.load_config(
-        "examples/configs/grpo_genrm.yaml",
-        [
-            f"output.dir={tmp_path}",
-            "output.progress=false",
-            f"placement.mode={mode}",
-            f"train.steps={STEPS}",
-            "cluster.use_gpu=true",
-            *extra,
-        ],  # a later train.steps in `extra` wins
-    )
-    return yatt_ray.fit(config)
+def genrm_run(out, mode: str, *extra: str) -> yatt_ray.Result:
+    """examples/configs/grpo_genrm.yaml for STEPS steps in `mode` on the shared cluster's logical GPUs (a later
+    train.steps in `extra` wins); TensorBoard and the plot on (the timeline's checks read them)."""
+    over = (f"placement.mode={mode}", f"train.steps={STEPS}", "cluster.use_gpu=true", *extra)
+    return run("grpo_genrm", out, *over, quiet=False)
 
 
 SHORT = ("train.steps=4", "data.eval_files=[]")  # where the roles run, not learning
 
 
+def killed_once(out: Path, start) -> yatt_ray.Result:
+    """`start(ckpt)` with a training worker killed once the run's first checkpoint in `ckpt` is committed: the
+    drill for a placement's data position (the run restarts from that checkpoint)."""
+    ckpt = str(out / "ckpt")
+    killed: list[int] = []
+    when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
+    result = start(ckpt)
+    assert killed and result.metric("checkpoint/resumed_from"), "the drill did not restart the run"
+    return result
+
+
 @pytest.fixture(scope="module")
-def partial(ray_cluster, demo_cache, tmp_path_factory):
+def partial(shared_runs):
     # two replicas from the start (one per training accelerator, the most partial allows): on 2 CPU cores a
     # replica that autoscaling starts mid-run costs ~40 s of the test, and Serve's autoscaling is Serve's
     # a training worker is killed after the first checkpoint (step 10): the drill for this placement's data
     # position; the run restarts from it and still learns
-    out = tmp_path_factory.mktemp("partial")
-    ckpt = str(out / "ckpt")
-    killed: list[int] = []
-    when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
-    result = genrm_run(
+    return shared_runs.get("genrm/partial", lambda out: killed_once(out, lambda ckpt: genrm_run(
         out, "partial", "reward.genrm.replicas=2", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=10",
         "checkpoint.log_prompt_ids=true",
-    )  # fmt: skip
-    assert killed and result.metric("checkpoint/resumed_from"), "the drill did not restart the run"
-    return result
+    )))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def full(ray_cluster, demo_cache, tmp_path_factory):
+def full(shared_runs):
     # the trainer offloads to host memory while the rollout engine and the judge have the accelerator; the
     # engine is vLLM, whose KV cache is what it releases (rollout.engine=auto may time the HF engine faster)
-    return genrm_run(
-        tmp_path_factory.mktemp("full"),
-        "full",
-        "train.offload_during_rollout=true",
-        "rollout.engine=vllm",
-        *SHORT,
-    )
+    return shared_runs.get("genrm/full", lambda out: genrm_run(
+        out, "full", "train.offload_during_rollout=true", "rollout.engine=vllm", *SHORT,
+    ))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def disaggregated(ray_cluster, demo_cache, tmp_path_factory):
+def disaggregated(shared_runs):
     """The judge on a slice of its own, the rollout engine on an accelerator of its own (an engine actor both
     controllers reach), and a training worker killed after the first checkpoint (the run restarts from it):
     the drill for this placement's data position."""
-    out = tmp_path_factory.mktemp("disaggregated")
-    ckpt = str(out / "ckpt")
-    killed: list[int] = []
-    when(lambda: bool(committed_steps(ckpt)), lambda: killed.append(kill_training_worker()))
-    result = genrm_run(
+    return shared_runs.get("genrm/disaggregated", lambda out: killed_once(out, lambda ckpt: genrm_run(
         out, "disaggregated", *SHORT, "train.steps=6", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=2",
         "checkpoint.log_prompt_ids=true", "placement.rollout_engines=1",
-    )  # fmt: skip
-    assert killed and result.metric("checkpoint/resumed_from"), "the drill did not restart the run"
-    return result
+    )))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def disaggregated_async(ray_cluster, demo_cache, tmp_path_factory):
+def disaggregated_async(shared_runs):
     """Disaggregated placement generating a step ahead (`rollout.max_staleness=1`) with the truncated importance
     weight as the off-policy correction: the engine actor generates step s + 1 while the trainers train s."""
-    return genrm_run(
-        tmp_path_factory.mktemp("disaggregated_async"), "disaggregated", *SHORT, "placement.rollout_engines=1",
-        "rollout.max_staleness=1", "algo.off_policy=tis",
-    )  # fmt: skip
+    return shared_runs.get("genrm/disaggregated_async", lambda out: genrm_run(
+        out, "disaggregated", *SHORT, "placement.rollout_engines=1", "rollout.max_staleness=1",
+        "algo.off_policy=tis",
+    ))  # fmt: skip
 
 
 def roles_by_accelerator(result) -> dict[str, set[str]]:
@@ -181,6 +169,7 @@ def test_asynchronous_rollout_is_judged_a_step_ahead(disaggregated_async):
 
 def test_full_places_one_judge_beside_each_trainer(full):
     assert_judged_cleanly(full, 4)
+    assert full.config.reward.genrm.engine in ("hf", "vllm")  # auto decided on the driver (timed on CPUs)
     placed = roles_by_accelerator(full)
     assert len(placed) == 2, placed  # two GPUs, each with one trainer rank and one GenRM replica
     for accel, workers in placed.items():

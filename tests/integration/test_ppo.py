@@ -10,19 +10,14 @@ from pathlib import Path
 
 import pytest
 
-import yatt_ray
+from tests.integration.runs import run
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def ppo_result(ray_cluster, demo_cache, tmp_path_factory):
-    config = yatt_ray.load_config(
-        REPO / "examples/configs/ppo.yaml",
-        [f"output.dir={tmp_path_factory.mktemp('ppo')}", "output.progress=false", "algo.dual_clip=3.0"],
-    )
-    return yatt_ray.fit(config)
+    return run("ppo", tmp_path_factory.mktemp("ppo"), "algo.dual_clip=3.0", quiet=False)
 
 
 def test_ppo_learns(ppo_result):
@@ -55,13 +50,13 @@ def test_critic_is_saved_with_the_policy(ppo_result):
 def test_remax_cispo_seq_aggregation_and_token_budget(ray_cluster, demo_cache, tmp_path):
     """Greedy baselines (ReMax), CISPO, a sequence-level aggregation, token-budget micro-batches and trainer
     offload while generating, dp 1."""
-    config = yatt_ray.load_config(
-        REPO / "examples/configs/grpo.yaml",
-        ["algo.name=remax", "algo.policy_loss=cispo", "algo.clip_low=1.0", "algo.loss_agg=seq-mean-token-sum-norm",
-         "train.max_tokens_per_micro_batch=64", "train.offload_during_rollout=true", "train.dp_size=1", "train.steps=2", "train.prompts_per_step=8",
-         "rollout.n=2", f"output.dir={tmp_path}", "output.progress=false"],
+    result = run(
+        "grpo", tmp_path, "algo.name=remax", "algo.policy_loss=cispo", "algo.clip_low=1.0",
+        "algo.loss_agg=seq-mean-token-sum-norm", "train.max_tokens_per_micro_batch=64",
+        "train.offload_during_rollout=true", "train.dp_size=1", "train.steps=2", "train.prompts_per_step=8",
+        "rollout.n=2", quiet=False,
     )  # fmt: skip
-    rows = [r for r in yatt_ray.fit(config).history if "reward_mean" in r]
+    rows = [r for r in result.history if "reward_mean" in r]
     assert len(rows) == 2
     assert all(0 <= r["greedy_reward_mean"] <= 1 and r["grad_norm"] > 0 for r in rows)
     assert all(r["rollout_logp_diff"] < 1e-3 and r["time/offload"] > 0 for r in rows)  # weights came back

@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import yatt_ray
+from tests.integration.runs import run, train_steps
 from yatt_ray.tasks import visual
 from yatt_ray.testing.drills import committed_steps, kill_training_worker, prompt_audit, when
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 4
 SIZES = [(56, 56), (84, 56), (112, 84), (40, 40), (168, 112)]  # (w, h); 168 x 112 is over max_pixels = 112^2
 TEXT_ROWS, BAD_ROW = {5, 14}, 9
@@ -49,22 +48,15 @@ def geo3k(ray_cluster, tmp_path_factory):
 
 
 def geo3k_run(model: str, data: str, out: Path, steps: int):
-    config = yatt_ray.load_config(
-        REPO / "examples/configs/grpo_qwen_vl_geo3k.yaml",
-        [f"model.path={model}", f"data.train_files=[{data}]", "data.eval_files=[]", "data.max_prompt_tokens=64",
-         "data.max_pixels=12544", "rollout.engine=vllm", "rollout.n=2", "rollout.max_new_tokens=4",
-         f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "train.dp_size=2", "train.dtype=fp32",
-         "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=null", "train.lr=1e-3",
-         "model.train_vision=projector", "train.balance=tokens", f"output.dir={out}", "output.progress=false",
-         "output.tensorboard=false", "output.plot=false", f"checkpoint.dir={out / 'ckpt'}",
-         "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", "checkpoint.export_hf_every=null",
-         "reward.function=tests.reward.rule_fns:response_length"],
+    return run(
+        "grpo_qwen_vl_geo3k", out, f"model.path={model}", f"data.train_files=[{data}]", "data.eval_files=[]",
+        "data.max_prompt_tokens=64", "data.max_pixels=12544", "rollout.engine=vllm", "rollout.n=2",
+        "rollout.max_new_tokens=4", f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "train.dp_size=2",
+        "train.dtype=fp32", "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=null", "train.lr=1e-3",
+        "model.train_vision=projector", "train.balance=tokens", f"checkpoint.dir={out / 'ckpt'}",
+        "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", "checkpoint.export_hf_every=null",
+        "reward.function=tests.reward.rule_fns:response_length",
     )  # fmt: skip
-    return yatt_ray.fit(config)
-
-
-def train_steps(result) -> list[int]:
-    return [int(r["step"]) for r in result.history if "reward_mean" in r]
 
 
 @pytest.fixture(scope="module")

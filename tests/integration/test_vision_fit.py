@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import yatt_ray
+from tests.integration.runs import run
 from yatt_ray.tasks import visual
 from yatt_ray.testing.drills import prompt_audit
 
@@ -58,15 +59,12 @@ def vision_data(ray_cluster, demo_cache, tmp_path_factory):
 
 def vision_run(model: str, data: str, out: Path, steps: int, *overrides: str):
     evals = Path(data).with_name("eval.parquet")  # vision_data's
-    config = yatt_ray.load_config(
-        REPO / "examples/configs/grpo_vision.yaml",
-        [f"model.path={model}", f"data.train_files=[{data}]", f"data.eval_files=[{evals}]", f"output.dir={out}",
-         "output.progress=false", "output.tensorboard=false", "output.plot=false", f"train.steps={steps}",
-         f"train.prompts_per_step={PROMPTS}", "rollout.n=4", "train.dp_size=2", "train.balance=tokens",
-         "model.train_vision=projector", f"checkpoint.dir={out / 'ckpt'}", "checkpoint.every_steps=2",
-         "checkpoint.log_prompt_ids=true", *overrides],
+    return run(
+        "grpo_vision", out, f"model.path={model}", f"data.train_files=[{data}]", f"data.eval_files=[{evals}]",
+        f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "rollout.n=4", "train.dp_size=2",
+        "train.balance=tokens", "model.train_vision=projector", f"checkpoint.dir={out / 'ckpt'}",
+        "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", *overrides,
     )  # fmt: skip
-    return yatt_ray.fit(config)
 
 
 @pytest.fixture(scope="module")
