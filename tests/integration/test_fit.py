@@ -110,7 +110,8 @@ def test_the_result_a_notebook_shows_and_the_run_folder_config(run):
     result, _ = run
     text = repr(result)
     assert len(text) < 600 and "steps='80/80'" in text and result.checkpoint_path in text, text
-    assert "<table>" in result._repr_html_() and "reward_mean" not in result._repr_html_()
+    html = result._repr_html_()  # one table row per summary figure, not a row per step
+    assert html.count("<tr>") == len(result.summary()) < 12 and len(html) < 2000, html
     frame = result.history_frame()
     assert list(frame.index) == list(range(0, 81))  # step 0: the eval before RL
     assert frame["reward_mean"].dropna().tolist() == result.metric("reward_mean")

@@ -106,6 +106,8 @@ def test_the_driver_writes_config_yaml_once_the_config_is_resolved_and_frozen(tm
     import yatt_ray.placement as placement
 
     class Plan:
+        genrm = None  # no judge
+
         def describe(self) -> str:
             return "plan"
 
