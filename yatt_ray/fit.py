@@ -704,7 +704,9 @@ def _trainer(
         ),
         # Ray Train v2's RunConfig at run time (ray.train picks it); mypy sees the v1 class without the last two
         run_config=RunConfig(  # type: ignore[call-arg]
-            name="train",
+            # a name of its own per run: in a run folder used again (output.name) Ray Train would otherwise load
+            # the earlier run's snapshot of reported checkpoints
+            name=f"train-{time.strftime('%Y%m%d-%H%M%S')}",
             storage_path=str(output_dir / "ray"),
             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
             logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
@@ -807,11 +809,27 @@ def _remove_if_empty(path: Path) -> None:
 
 
 def _output_dir(config: Config) -> Path:
-    """A fresh folder per run under `output.dir` (runs never mix their metrics or checkpoints)."""
+    """The run's folder under `output.dir`: a fresh timestamped one per run (runs never mix their metrics or
+    checkpoints), or `<output.dir>/<output.name>`, found again by the next run of that name. There the earlier
+    run's metrics.jsonl is kept as metrics-<stamp>.jsonl (the new file holds the whole curve again: a run
+    resumed from a checkpoint starts with the checkpoint's history)."""
     root = Path(config.output.dir).expanduser().resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, suffix = root / stamp, 1
-    while path.exists():
-        path, suffix = root / f"{stamp}-{suffix}", suffix + 1
+    if config.output.name:
+        path = root / config.output.name
+        path.mkdir(parents=True, exist_ok=True)
+        earlier = path / "metrics.jsonl"
+        if earlier.exists():
+            earlier.rename(_free_name(path, f"metrics-{stamp}", ".jsonl"))
+        return path
+    path = _free_name(root, stamp, "")
     path.mkdir(parents=True)
+    return path
+
+
+def _free_name(folder: Path, stem: str, suffix: str) -> Path:
+    """`folder/<stem><suffix>`, or `<stem>-1<suffix>`, `-2`, ... where that exists."""
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        path, n = folder / f"{stem}-{n}{suffix}", n + 1
     return path

@@ -9,6 +9,7 @@ run's lineage and the kill drill resume vLLM engines.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -295,3 +296,20 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
     audit = prompt_audit(url, storage_options=s3_options)
     assert audit.steps == 5 and audit.prompts == 5 * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
+
+
+def test_the_same_command_with_the_same_output_name_continues_the_run(ray_cluster, demo_cache, tmp_path):
+    """docs/checkpoints.md's rule: `output.name` names the run's folder inside `output.dir`; the same command
+    again (here with train.steps raised) continues from that folder's newest checkpoint: one curve with each
+    step once, the earlier curve's file kept, every prompt of the epoch trained once over both runs."""
+    first = short_run("", tmp_path, 2, "output.name=my-run", HF)
+    again = short_run("", tmp_path, 4, "output.name=my-run", HF)
+    folder = tmp_path / "my-run"
+    assert first.output_dir == again.output_dir == str(folder)
+    assert again.checkpoint_dir == first.checkpoint_dir == str(folder / "checkpoints")
+    assert again.metric("checkpoint/resumed_from") == [2.0] and train_steps(again) == [1, 2, 3, 4]
+    curve = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["step"]) for r in curve if "reward_mean" in r] == [1, 2, 3, 4]
+    kept = list(folder.glob("metrics-*.jsonl"))
+    assert len(kept) == 1 and '"reward_mean"' in kept[0].read_text()
+    assert_each_prompt_once(again.checkpoint_dir, 4)
