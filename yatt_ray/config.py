@@ -863,6 +863,10 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # one folder name: no s
 def _output_errors(o: OutputConfig) -> list[str]:
     """The `output` section's problems, each naming the key, the value and the fix."""
     return _failed([
+        ("://" not in o.dir,
+         f"output.dir={o.dir!r}: the run folder (metrics, TensorBoard, plots, config.yaml) is written by the "
+         "driver and must be a local path for now; put checkpoints (and with them the final policy) on remote "
+         "storage with checkpoint.dir=<url>, e.g. checkpoint.dir=s3://bucket/checkpoints/run"),
         (not o.name or bool(RUN_NAME.match(o.name)),
          f"output.name={o.name!r} must be one folder name (letters, digits, '.', '_', '-'; not starting with "
          "'.' or '-'), e.g. output.name=qwen7b-gsm8k; it names the run's folder inside output.dir"),

@@ -20,6 +20,7 @@ from typing import Any
 from yatt_ray.cluster import connect
 from yatt_ray.config import Config, apply_override, load_config, validate
 from yatt_ray.errors import ConfigError, WorkerError, YattError
+from yatt_ray.shared_storage import check_shared, report_url, train_storage
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,14 @@ def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startu
     startup.mark("ray_started")
     _start_autoscaling_coordinator()
     import ray
+
+    storage, _ = train_storage(config.checkpoint.dir, config.checkpoint.storage_options, output_dir)
+    shared = check_shared(
+        {"checkpoint.dir": config.checkpoint.dir, "the run folder (Ray Train's report)": storage},
+        config.cluster.timeout_s,
+    )  # several nodes: a local path must be one folder on all of them, refused here otherwise
+    if shared:
+        print(shared, flush=True)
 
     from yatt_ray.placement import plan_placement
 
@@ -622,7 +631,7 @@ def _follow(
     checkpoint = outcome["result"].checkpoint if "result" in outcome else None
     return Result(
         history=progress.history,
-        checkpoint_path=os.path.join(checkpoint.path, "policy_hf") if checkpoint else None,
+        checkpoint_path=checkpoint and report_url(f"{checkpoint.path}/policy_hf", config.checkpoint.dir),
         output_dir=str(output_dir),
         checkpoint_dir=config.checkpoint.dir,
         steps_redone=redone,
@@ -663,13 +672,11 @@ def _trainer(
     """The TorchTrainer: one worker per plan slot, the training dataset (split by the workers), the eval file
     list and the run's actors (`hub` for metrics, `control` for stop requests) in the train-loop config."""
     import ray.data
-    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
-    from yatt_ray.host_memory import cpu_env
     from yatt_ray.model_dir import is_vision_model
     from yatt_ray.rendezvous import WorldConfig
 
@@ -702,18 +709,33 @@ def _trainer(
             resources_per_worker=plan.trainer_resources(),
             placement_strategy=config.cluster.placement_strategy,  # PACK or SPREAD over the nodes
         ),
-        # Ray Train v2's RunConfig at run time (ray.train picks it); mypy sees the v1 class without the last two
-        run_config=RunConfig(  # type: ignore[call-arg]
-            # a name of its own per run: in a run folder used again (output.name) Ray Train would otherwise load
-            # the earlier run's snapshot of reported checkpoints
-            name=f"train-{time.strftime('%Y%m%d-%H%M%S')}",
-            storage_path=str(output_dir / "ray"),
-            failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
-            logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
-            # the quiet-console variables also where the job's runtime env could not carry them (ray.init
-            # called before fit())
-            worker_runtime_env={"env_vars": {**job_env_vars(config.output.verbose), **cpu_env()}},
-        ),
+        run_config=_run_config(config, output_dir),
+    )
+
+
+def _run_config(config: Config, output_dir: Path):
+    """Ray Train's RunConfig: a run name of its own, storage every node reaches, retries, log level, and the
+    workers' environment."""
+    from ray.train import FailureConfig, LoggingConfig, RunConfig
+
+    from yatt_ray.console import job_env_vars, train_log_level
+    from yatt_ray.host_memory import cpu_env
+
+    storage_path, storage_filesystem = train_storage(
+        config.checkpoint.dir, config.checkpoint.storage_options, output_dir
+    )
+    # Ray Train v2's RunConfig at run time (ray.train picks it); mypy sees the v1 class without the last two
+    return RunConfig(  # type: ignore[call-arg]
+        # a name of its own per run: in a run folder used again (output.name) Ray Train would otherwise load
+        # the earlier run's snapshot of reported checkpoints
+        name=f"train-{time.strftime('%Y%m%d-%H%M%S')}",
+        storage_path=storage_path,  # where every node reaches it (shared_storage.train_storage)
+        storage_filesystem=storage_filesystem,
+        failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
+        logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
+        # the quiet-console variables also where the job's runtime env could not carry them (ray.init
+        # called before fit())
+        worker_runtime_env={"env_vars": {**job_env_vars(config.output.verbose), **cpu_env()}},
     )
 
 

@@ -293,6 +293,10 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
     result = short_run(url, tmp_path, 5, *verl)  # resumed mid-epoch
     assert result.metric("checkpoint/resumed_from") == [2.0] and train_steps(result) == [1, 2, 3, 4, 5]
     assert store.list_committed() == [2, 4, 5] and store.latest_valid().step == 5  # every 2 steps + the end
+    # Ray Train's final report (the policy as a HF directory) goes beside the checkpoints, where every node
+    # reaches it, not to the driver's disk
+    assert result.checkpoint_path.startswith(f"{url}/ray/train-"), result.checkpoint_path
+    assert store.fs.exists(result.checkpoint_path.removeprefix("s3://") + "/model.safetensors")
     audit = prompt_audit(url, storage_options=s3_options)
     assert audit.steps == 5 and audit.prompts == 5 * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit

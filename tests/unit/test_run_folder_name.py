@@ -34,3 +34,8 @@ def test_a_named_run_finds_its_folder_again_and_keeps_the_earlier_curve(tmp_path
 def test_a_name_that_is_not_one_folder_is_refused_naming_the_key(name):
     with pytest.raises(ConfigError, match=r"output.name=.* must be one folder name"):
         load_config(None, [f"output.name={name}"])
+
+
+def test_a_url_run_folder_is_refused_with_the_fix_not_made_a_local_folder():
+    with pytest.raises(ConfigError, match=r"output.dir='s3://bucket/runs'.*checkpoint.dir=s3://"):
+        load_config(None, ["output.dir=s3://bucket/runs"])
