@@ -64,9 +64,11 @@ class ModelConfig(_Section):
     """The policy: a Hugging Face directory (`path`; empty builds the demo model) and, for a vision-language
     policy, which parts of its vision encoder train."""
 
-    # a Hugging Face model directory (config.json, weights, tokenizer) of a supported architecture: Llama,
-    # Mistral, Qwen2 / Qwen2.5, Qwen3, LLaVA with a Llama language model, Qwen2-VL / Qwen2.5-VL; "" (with
-    # data.train_files empty too) builds the demo model (demo.*)
+    # a Hugging Face model (config.json, weights, tokenizer) of a supported architecture: Llama, Mistral, Qwen2
+    # / Qwen2.5, Qwen3, LLaVA with a Llama language model, Qwen2-VL / Qwen2.5-VL. A local directory, an fsspec
+    # URL (s3://bucket/models/qwen) or a hub id (Qwen/Qwen2.5-7B-Instruct): a remote one is fetched once per
+    # node into a cache before the run starts ($YATT_RAY_MODEL_CACHE, else ~/.cache/yatt_ray/models; hub ids
+    # into $HF_HOME). "" (with data.train_files empty too) builds the demo model (demo.*)
     path: str = ""
     # LLaVA policies: none = the vision tower and projector stay frozen, projector = the projector trains,
     # all = the tower too; the language model always trains

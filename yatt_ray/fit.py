@@ -8,6 +8,7 @@ final checkpoint handle and errors.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -20,7 +21,8 @@ from typing import Any
 from yatt_ray.cluster import connect
 from yatt_ray.config import Config, apply_override, load_config, validate
 from yatt_ray.errors import ConfigError, WorkerError, YattError
-from yatt_ray.shared_storage import check_shared, report_url, train_storage
+from yatt_ray.model_source import ModelSource, fetch, fetch_on_every_node, model_source
+from yatt_ray.shared_storage import check_shared, cloud_env, report_url, train_storage
 
 log = logging.getLogger(__name__)
 
@@ -153,19 +155,21 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     from yatt_ray.console import quiet_driver
 
     quiet_driver(config.output.verbose)
+    source = _fetch_model(config)  # a URL or hub id: fetched here first (the checks read it)
     _prepare_inputs(config)
     files = _check_inputs(config)
     _check_local_placement(config)  # a local cluster's plan: refused before Ray starts and before a folder
     output_dir = _output_dir(config)
     try:
-        return _start(config, files, output_dir, startup)
+        return _start(config, files, output_dir, startup, source)
     except BaseException:
         _remove_if_empty(output_dir)  # a run refused before it wrote anything leaves no empty folder behind
         raise
 
 
-def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startup) -> Result:
-    """Check the checkpoints, connect to Ray, plan, resolve the engine, freeze the config, and run."""
+def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startup, source) -> Result:
+    """Check the checkpoints, connect to Ray, check the shared storage, fetch a remote model on every node,
+    plan, resolve the engine, freeze the config, and run."""
     print(_check_checkpoints(config, output_dir), flush=True)
     startup.mark("inputs_checked")
     connect(config)
@@ -180,6 +184,9 @@ def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startu
     )  # several nodes: a local path must be one folder on all of them, refused here otherwise
     if shared:
         print(shared, flush=True)
+    if source.remote:
+        nodes = fetch_on_every_node(source, config.model.path, config.cluster.timeout_s)
+        print(f"{source.describe(config.model.path)} ({nodes} node(s))", flush=True)
 
     from yatt_ray.placement import plan_placement
 
@@ -225,6 +232,17 @@ def _resolve_config(config: Config | dict | str | Path | None, overrides: list[s
     resolved = Config.from_dict(data)
     validate(resolved)
     return resolved
+
+
+def _fetch_model(config: Config) -> ModelSource:
+    """`model.path` as an fsspec URL or a hub id: fetched into this machine's cache now and `model.path` set to
+    the local copy (every node fetches it too once Ray is up: `fetch_on_every_node`). Returns where it came
+    from."""
+    source = model_source(config.model.path)
+    if source.remote:
+        config.model.path, revision = fetch(source)
+        source = dataclasses.replace(source, revision=revision)
+    return source
 
 
 def _prepare_inputs(config: Config) -> None:
@@ -734,8 +752,8 @@ def _run_config(config: Config, output_dir: Path):
         failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
         logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
         # the quiet-console variables also where the job's runtime env could not carry them (ray.init
-        # called before fit())
-        worker_runtime_env={"env_vars": {**job_env_vars(config.output.verbose), **cpu_env()}},
+        # called before fit()), and the driver's cloud credentials and endpoints (AWS_*, HF_*)
+        worker_runtime_env={"env_vars": {**cloud_env(), **job_env_vars(config.output.verbose), **cpu_env()}},
     )
 
 

@@ -18,6 +18,16 @@ from typing import Any
 from yatt_ray.errors import ConfigError
 
 MARK_PREFIX = ".yatt-shared-"
+# what a process needs to reach remote storage and the hub the standard way (credentials, endpoints, caches),
+# passed on from the driver to the run's tasks and workers
+CLOUD_ENV_PREFIXES = ("AWS_", "HF_")
+
+
+def cloud_env() -> dict[str, str]:
+    """This process's standard cloud and hub variables (`AWS_*`, `HF_*`), for the run's other processes."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith(CLOUD_ENV_PREFIXES)}
 
 
 def train_storage(checkpoint_dir: str, storage_options: dict[str, Any], run_dir: Path) -> tuple[str, Any]:
