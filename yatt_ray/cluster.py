@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from yatt_ray.config import Config
 from yatt_ray.host_memory import cpu_env
 from yatt_ray.placement import DATA_CPUS, genrm_replica_count, shared_cpus
+from yatt_ray.shared_storage import cloud_env
 
 LOOPBACK = "127.0.0.1"
 
@@ -48,6 +49,8 @@ def connect(config: Config) -> None:
         return
     verbose, address = config.output.verbose, config.cluster.address or os.environ.get("RAY_ADDRESS")
     env = {**job_env_vars(verbose, local=not address), **cpu_env()}
+    if address:  # a local cluster's processes inherit this environment; a cluster's elsewhere get it here
+        env = {**cloud_env(), **env}
     if not address:
         env.update((k, v) for k, v in loopback_env().items() if k not in os.environ)
     options: dict = {"runtime_env": {"env_vars": env}} if env else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -63,9 +64,11 @@ class ModelConfig(_Section):
     """The policy: a Hugging Face directory (`path`; empty builds the demo model) and, for a vision-language
     policy, which parts of its vision encoder train."""
 
-    # a Hugging Face model directory (config.json, weights, tokenizer) of a supported architecture: Llama,
-    # Mistral, Qwen2 / Qwen2.5, Qwen3, LLaVA with a Llama language model, Qwen2-VL / Qwen2.5-VL; "" (with
-    # data.train_files empty too) builds the demo model (demo.*)
+    # a Hugging Face model (config.json, weights, tokenizer) of a supported architecture: Llama, Mistral, Qwen2
+    # / Qwen2.5, Qwen3, LLaVA with a Llama language model, Qwen2-VL / Qwen2.5-VL. A local directory, an fsspec
+    # URL (s3://bucket/models/qwen) or a hub id (Qwen/Qwen2.5-7B-Instruct): a remote one is fetched once per
+    # node into a cache before the run starts ($YATT_RAY_MODEL_CACHE, else ~/.cache/yatt_ray/models; hub ids
+    # into $HF_HOME). "" (with data.train_files empty too) builds the demo model (demo.*)
     path: str = ""
     # LLaVA policies: none = the vision tower and projector stay frozen, projector = the projector trains,
     # all = the tower too; the language model always trains
@@ -430,6 +433,10 @@ class OutputConfig(_Section):
     # each run writes a fresh timestamped folder under it: config.yaml, metrics.jsonl, TensorBoard events,
     # plots, startup.json, and checkpoints (checkpoint.dir empty)
     dir: str = "runs/grpo"
+    # the run's folder inside dir: "" = a fresh timestamped one per run; a name (letters, digits, . _ -) =
+    # <dir>/<name>, which the same command with the same name finds again: it continues from the folder's
+    # newest checkpoint (checkpoint.dir "" and checkpoint.resume auto), the curve's earlier file kept beside it
+    name: str = ""
     tensorboard: bool = True  # write TensorBoard events to <run folder>/tensorboard
     # draw reward.png (reward and accuracy against step) and timeline.png (phases per accelerator) in the run
     # folder
@@ -656,6 +663,7 @@ def validate(config: Config) -> None:
     errors += _algo_errors(config.algo) + _critic_errors(config.critic) + _reward_errors(config.reward)
     errors += _placement_errors(config.placement) + _checkpoint_errors(config.checkpoint)
     errors += _cluster_errors(config.cluster) + _cross_section_errors(config) + _async_errors(config)
+    errors += _output_errors(config.output)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -848,6 +856,22 @@ def _cluster_errors(c: ClusterConfig) -> list[str]:
         (c.timeout_s > 0, f"cluster.timeout_s={c.timeout_s} must be > 0"),
         (c.peak_flops is None or c.peak_flops > 0,
          f"cluster.peak_flops={c.peak_flops} must be > 0 (FLOP/s of one accelerator, e.g. 312e12) or null"),
+    ])  # fmt: skip
+
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # one folder name: no separator, not . or ..
+
+
+def _output_errors(o: OutputConfig) -> list[str]:
+    """The `output` section's problems, each naming the key, the value and the fix."""
+    return _failed([
+        ("://" not in o.dir,
+         f"output.dir={o.dir!r}: the run folder (metrics, TensorBoard, plots, config.yaml) is written by the "
+         "driver and must be a local path for now; put checkpoints (and with them the final policy) on remote "
+         "storage with checkpoint.dir=<url>, e.g. checkpoint.dir=s3://bucket/checkpoints/run"),
+        (not o.name or bool(RUN_NAME.match(o.name)),
+         f"output.name={o.name!r} must be one folder name (letters, digits, '.', '_', '-'; not starting with "
+         "'.' or '-'), e.g. output.name=qwen7b-gsm8k; it names the run's folder inside output.dir"),
     ])  # fmt: skip
 
 

@@ -8,6 +8,7 @@ final checkpoint handle and errors.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -20,6 +21,8 @@ from typing import Any
 from yatt_ray.cluster import connect
 from yatt_ray.config import Config, apply_override, load_config, validate
 from yatt_ray.errors import ConfigError, WorkerError, YattError
+from yatt_ray.model_source import ModelSource, fetch, fetch_on_every_node, model_source
+from yatt_ray.shared_storage import check_shared, cloud_env, report_url, train_storage
 
 log = logging.getLogger(__name__)
 
@@ -152,25 +155,38 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     from yatt_ray.console import quiet_driver
 
     quiet_driver(config.output.verbose)
+    source = _fetch_model(config)  # a URL or hub id: fetched here first (the checks read it)
     _prepare_inputs(config)
     files = _check_inputs(config)
     _check_local_placement(config)  # a local cluster's plan: refused before Ray starts and before a folder
     output_dir = _output_dir(config)
     try:
-        return _start(config, files, output_dir, startup)
+        return _start(config, files, output_dir, startup, source)
     except BaseException:
         _remove_if_empty(output_dir)  # a run refused before it wrote anything leaves no empty folder behind
         raise
 
 
-def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startup) -> Result:
-    """Check the checkpoints, connect to Ray, plan, resolve the engine, freeze the config, and run."""
+def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startup, source) -> Result:
+    """Check the checkpoints, connect to Ray, check the shared storage, fetch a remote model on every node,
+    plan, resolve the engine, freeze the config, and run."""
     print(_check_checkpoints(config, output_dir), flush=True)
     startup.mark("inputs_checked")
     connect(config)
     startup.mark("ray_started")
     _start_autoscaling_coordinator()
     import ray
+
+    storage, _ = train_storage(config.checkpoint.dir, config.checkpoint.storage_options, output_dir)
+    shared = check_shared(
+        {"checkpoint.dir": config.checkpoint.dir, "the run folder (Ray Train's report)": storage},
+        config.cluster.timeout_s,
+    )  # several nodes: a local path must be one folder on all of them, refused here otherwise
+    if shared:
+        print(shared, flush=True)
+    if source.remote:
+        nodes = fetch_on_every_node(source, config.model.path, config.cluster.timeout_s)
+        print(f"{source.describe(config.model.path)} ({nodes} node(s))", flush=True)
 
     from yatt_ray.placement import plan_placement
 
@@ -216,6 +232,17 @@ def _resolve_config(config: Config | dict | str | Path | None, overrides: list[s
     resolved = Config.from_dict(data)
     validate(resolved)
     return resolved
+
+
+def _fetch_model(config: Config) -> ModelSource:
+    """`model.path` as an fsspec URL or a hub id: fetched into this machine's cache now and `model.path` set to
+    the local copy (every node fetches it too once Ray is up: `fetch_on_every_node`). Returns where it came
+    from."""
+    source = model_source(config.model.path)
+    if source.remote:
+        config.model.path, revision = fetch(source)
+        source = dataclasses.replace(source, revision=revision)
+    return source
 
 
 def _prepare_inputs(config: Config) -> None:
@@ -622,7 +649,7 @@ def _follow(
     checkpoint = outcome["result"].checkpoint if "result" in outcome else None
     return Result(
         history=progress.history,
-        checkpoint_path=os.path.join(checkpoint.path, "policy_hf") if checkpoint else None,
+        checkpoint_path=checkpoint and report_url(f"{checkpoint.path}/policy_hf", config.checkpoint.dir),
         output_dir=str(output_dir),
         checkpoint_dir=config.checkpoint.dir,
         steps_redone=redone,
@@ -663,13 +690,11 @@ def _trainer(
     """The TorchTrainer: one worker per plan slot, the training dataset (split by the workers), the eval file
     list and the run's actors (`hub` for metrics, `control` for stop requests) in the train-loop config."""
     import ray.data
-    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from yatt_ray.console import job_env_vars, train_log_level
     from yatt_ray.controller import train_loop_per_worker
     from yatt_ray.data import build_dataset
-    from yatt_ray.host_memory import cpu_env
     from yatt_ray.model_dir import is_vision_model
     from yatt_ray.rendezvous import WorldConfig
 
@@ -702,16 +727,33 @@ def _trainer(
             resources_per_worker=plan.trainer_resources(),
             placement_strategy=config.cluster.placement_strategy,  # PACK or SPREAD over the nodes
         ),
-        # Ray Train v2's RunConfig at run time (ray.train picks it); mypy sees the v1 class without the last two
-        run_config=RunConfig(  # type: ignore[call-arg]
-            name="train",
-            storage_path=str(output_dir / "ray"),
-            failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
-            logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
-            # the quiet-console variables also where the job's runtime env could not carry them (ray.init
-            # called before fit())
-            worker_runtime_env={"env_vars": {**job_env_vars(config.output.verbose), **cpu_env()}},
-        ),
+        run_config=_run_config(config, output_dir),
+    )
+
+
+def _run_config(config: Config, output_dir: Path):
+    """Ray Train's RunConfig: a run name of its own, storage every node reaches, retries, log level, and the
+    workers' environment."""
+    from ray.train import FailureConfig, LoggingConfig, RunConfig
+
+    from yatt_ray.console import job_env_vars, train_log_level
+    from yatt_ray.host_memory import cpu_env
+
+    storage_path, storage_filesystem = train_storage(
+        config.checkpoint.dir, config.checkpoint.storage_options, output_dir
+    )
+    # Ray Train v2's RunConfig at run time (ray.train picks it); mypy sees the v1 class without the last two
+    return RunConfig(  # type: ignore[call-arg]
+        # a name of its own per run: in a run folder used again (output.name) Ray Train would otherwise load
+        # the earlier run's snapshot of reported checkpoints
+        name=f"train-{time.strftime('%Y%m%d-%H%M%S')}",
+        storage_path=storage_path,  # where every node reaches it (shared_storage.train_storage)
+        storage_filesystem=storage_filesystem,
+        failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
+        logging_config=LoggingConfig(log_level=train_log_level(config.output.verbose)),
+        # the quiet-console variables also where the job's runtime env could not carry them (ray.init
+        # called before fit()), and the driver's cloud credentials and endpoints (AWS_*, HF_*)
+        worker_runtime_env={"env_vars": {**cloud_env(), **job_env_vars(config.output.verbose), **cpu_env()}},
     )
 
 
@@ -807,11 +849,27 @@ def _remove_if_empty(path: Path) -> None:
 
 
 def _output_dir(config: Config) -> Path:
-    """A fresh folder per run under `output.dir` (runs never mix their metrics or checkpoints)."""
+    """The run's folder under `output.dir`: a fresh timestamped one per run (runs never mix their metrics or
+    checkpoints), or `<output.dir>/<output.name>`, found again by the next run of that name. There the earlier
+    run's metrics.jsonl is kept as metrics-<stamp>.jsonl (the new file holds the whole curve again: a run
+    resumed from a checkpoint starts with the checkpoint's history)."""
     root = Path(config.output.dir).expanduser().resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, suffix = root / stamp, 1
-    while path.exists():
-        path, suffix = root / f"{stamp}-{suffix}", suffix + 1
+    if config.output.name:
+        path = root / config.output.name
+        path.mkdir(parents=True, exist_ok=True)
+        earlier = path / "metrics.jsonl"
+        if earlier.exists():
+            earlier.rename(_free_name(path, f"metrics-{stamp}", ".jsonl"))
+        return path
+    path = _free_name(root, stamp, "")
     path.mkdir(parents=True)
+    return path
+
+
+def _free_name(folder: Path, stem: str, suffix: str) -> Path:
+    """`folder/<stem><suffix>`, or `<stem>-1<suffix>`, `-2`, ... where that exists."""
+    path, n = folder / f"{stem}{suffix}", 1
+    while path.exists():
+        path, n = folder / f"{stem}-{n}{suffix}", n + 1
     return path

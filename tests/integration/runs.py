@@ -33,16 +33,17 @@ def run(preset: str, out: str | Path, *overrides: str, quiet: bool = True) -> ya
 
 def short_run(ckpt_dir: str, out: str | Path, steps: int, *overrides: str) -> yatt_ray.Result:
     """The demo task cut to `steps` steps of PROMPTS prompts x 2 samples on 2 workers, no eval set, a checkpoint
-    in `ckpt_dir` every 2 steps with the per-step prompt-id log (what `prompt_audit` reads)."""
+    every 2 steps with the per-step prompt-id log (what `prompt_audit` reads) in `ckpt_dir` ("": the run
+    folder's checkpoints/)."""
     from yatt_ray.config import Config
     from yatt_ray.tasks.demo import prepare_demo
 
     demo = prepare_demo(Config())
+    where = (f"checkpoint.dir={ckpt_dir}",) if ckpt_dir else ()
     return run(
         "grpo", out, f"model.path={demo.model.path}", f"data.train_files=[{demo.data.train_files[0]}]",
         "data.eval_files=[]", f"train.steps={steps}", f"train.prompts_per_step={PROMPTS}", "rollout.n=2",
-        "train.dp_size=2", f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=2",
-        "checkpoint.log_prompt_ids=true", *overrides,
+        "train.dp_size=2", *where, "checkpoint.every_steps=2", "checkpoint.log_prompt_ids=true", *overrides,
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ run's lineage and the kill drill resume vLLM engines.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -249,14 +250,15 @@ def test_dynamic_and_over_sampling_through_a_killed_worker_consume_each_prompt_o
 
 
 def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
-    ray_cluster, demo_cache, tmp_path, s3_options
+    ray_cluster, demo_cache, tmp_path, s3_options, monkeypatch
 ):
     """verl's GSM8K + MATH layout: gsm8k/train.parquet and math/train.parquet (one name in two folders), each
     indexing its 12 rows from 0 in extra_info.index. 2 steps, then a new run resumes to 5 (one worker, 8
     prompts a step: epoch 0 is steps 1-3): each of the 24 prompts of epoch 0 is trained exactly once. Keyed by
     index alone, the resume marked the other file's rows consumed (lost) and a step holding one index twice
     was not recorded (repeated). The checkpoints live on S3 (moto on 127.0.0.1): saves, the HF export and the
-    resume all go through fsspec."""
+    resume all go through fsspec. The model comes from S3 too (model.path=s3://...), reached with the standard
+    AWS_* variables only: fetched once per node into the model cache."""
     import uuid
 
     import pyarrow as pa
@@ -280,7 +282,16 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / name / "train.parquet")
         files.append(str(tmp_path / name / "train.parquet"))
     url = f"s3://ckpt/{uuid.uuid4().hex}/run"
+    model = f"s3://ckpt/{uuid.uuid4().hex}/models/demo"
+    for key, value in {"AWS_ENDPOINT_URL": s3_options["endpoint_url"], "AWS_ACCESS_KEY_ID": s3_options["key"],
+                       "AWS_SECRET_ACCESS_KEY": s3_options["secret"], "AWS_DEFAULT_REGION": "us-east-1",
+                       "YATT_RAY_MODEL_CACHE": str(tmp_path / "model_cache")}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    CheckpointStore(url, storage_options=s3_options).fs.put(
+        prepare_demo(Config()).model.path + "/", model.removeprefix("s3://"), recursive=True
+    )
     verl = (
+        f"model.path={model}",
         f"data.train_files=[{files[0]},{files[1]}]", "data.answer_key=reward_model.ground_truth",
         "data.id_key=extra_info.index", "train.dp_size=1", HF,
         *(f"checkpoint.storage_options.{k}={v}" for k, v in s3_options.items()),
@@ -292,6 +303,32 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
     result = short_run(url, tmp_path, 5, *verl)  # resumed mid-epoch
     assert result.metric("checkpoint/resumed_from") == [2.0] and train_steps(result) == [1, 2, 3, 4, 5]
     assert store.list_committed() == [2, 4, 5] and store.latest_valid().step == 5  # every 2 steps + the end
+    cached = result.config.model.path  # the workers read the fetched copy, the same path on every node
+    assert (
+        cached.startswith(str(tmp_path / "model_cache"))
+        and Path(cached, ".yatt-complete").read_text() == model
+    )
+    # Ray Train's final report (the policy as a HF directory) goes beside the checkpoints, where every node
+    # reaches it, not to the driver's disk
+    assert result.checkpoint_path.startswith(f"{url}/ray/train-"), result.checkpoint_path
+    assert store.fs.exists(result.checkpoint_path.removeprefix("s3://") + "/model.safetensors")
     audit = prompt_audit(url, storage_options=s3_options)
     assert audit.steps == 5 and audit.prompts == 5 * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit
+
+
+def test_the_same_command_with_the_same_output_name_continues_the_run(ray_cluster, demo_cache, tmp_path):
+    """docs/checkpoints.md's rule: `output.name` names the run's folder inside `output.dir`; the same command
+    again (here with train.steps raised) continues from that folder's newest checkpoint: one curve with each
+    step once, the earlier curve's file kept, every prompt of the epoch trained once over both runs."""
+    first = short_run("", tmp_path, 2, "output.name=my-run", HF)
+    again = short_run("", tmp_path, 4, "output.name=my-run", HF)
+    folder = tmp_path / "my-run"
+    assert first.output_dir == again.output_dir == str(folder)
+    assert again.checkpoint_dir == first.checkpoint_dir == str(folder / "checkpoints")
+    assert again.metric("checkpoint/resumed_from") == [2.0] and train_steps(again) == [1, 2, 3, 4]
+    curve = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["step"]) for r in curve if "reward_mean" in r] == [1, 2, 3, 4]
+    kept = list(folder.glob("metrics-*.jsonl"))
+    assert len(kept) == 1 and '"reward_mean"' in kept[0].read_text()
+    assert_each_prompt_once(again.checkpoint_dir, 4)

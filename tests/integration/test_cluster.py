@@ -224,3 +224,84 @@ def test_placement_strategy_is_checked():
     ):
         yatt_ray.load_config(None, ["cluster.placement_strategy=STRICT"])
     assert yatt_ray.load_config(None).cluster.placement_strategy == "PACK"
+
+
+SHARED_PATHS = """
+    import json, os, signal, subprocess, sys, time
+    from pathlib import Path
+
+    import ray
+
+    import yatt_ray
+    from yatt_ray.errors import ConfigError
+    from yatt_ray.shared_storage import check_shared
+
+    root = Path(os.environ["RAY_TMPDIR"])
+    private, shared = root / "node_local", root / "shared"
+    private.mkdir()
+    shared.mkdir()
+    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
+    gcs = ray.get_runtime_context().gcs_address
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    # a second node whose `private` is a folder of its own (a tmpfs in a mount namespace of its own): a node
+    # whose disk the first one does not share, on one machine
+    node = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs none {private} && exec {ray_cli} start --address={gcs} --num-cpus=2 --block"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    out = {}
+    try:
+        deadline = time.time() + 120
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            assert time.time() < deadline and node.poll() is None, "the second node did not join"
+            time.sleep(0.5)
+        out["shared"] = check_shared({"checkpoint.dir": str(shared)}, 120)
+        try:
+            check_shared({"checkpoint.dir": str(private)}, 120)
+        except ConfigError as e:
+            out["refused"] = str(e)
+        config = yatt_ray.load_config(
+            "examples/configs/grpo.yaml",
+            [f"output.dir={root / 'runs'}", "output.progress=false", f"checkpoint.dir={private / 'ckpt'}"],
+        )
+        started = time.time()
+        try:
+            yatt_ray.fit(config)
+        except ConfigError as e:
+            out["fit_refused"] = str(e)
+        out["fit_s"] = time.time() - started
+        out["marks_left"] = [p.name for p in root.rglob(".yatt-shared-*")]
+        out["run_folders"] = [p.name for p in (root / "runs").iterdir()] if (root / "runs").exists() else []
+    finally:
+        ray.shutdown()
+        os.killpg(node.pid, signal.SIGTERM)
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+    print(json.dumps(out))
+"""
+
+
+def _can_unshare_mounts() -> bool:
+    try:
+        return subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(
+    not _can_unshare_mounts(), reason="needs `unshare --mount` (root) for a node of its own disk"
+)
+def test_a_local_path_the_nodes_do_not_share_is_refused_before_any_work(demo_cache):
+    """Two nodes on one machine, the second with a folder of its own where the first has `node_local`: a
+    checkpoint.dir there is refused naming the key, the path, the node and the fix, by the check and by
+    fit() before any training worker starts; a folder both see passes; no marker is left behind."""
+    out = _run_isolated(SHARED_PATHS, [], timeout_s=300)
+    assert out["shared"] and "shared by the 2 nodes" in out["shared"], out
+    refused = out.get("refused", "")
+    assert "checkpoint.dir=" in refused and "node_local" in refused and "not seen from" in refused, out
+    assert "s3://" in refused  # the fix
+    assert "checkpoint.dir=" in out.get("fit_refused", ""), out
+    assert out["marks_left"] == [] and out["run_folders"] == [], out  # refused before it wrote anything
