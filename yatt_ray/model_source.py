@@ -21,7 +21,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from yatt_ray.errors import ConfigError
 
@@ -129,7 +129,7 @@ def fetch_on_every_node(source: ModelSource, local: str, timeout_s: float) -> in
     from yatt_ray.shared_storage import cloud_env
 
     nodes = [n for n in ray.nodes() if n["Alive"]]
-    task = ray.remote(num_cpus=0, max_retries=1)(fetch)
+    task: Any = ray.remote(num_cpus=0, max_retries=1)(fetch)  # (mypy reads the default argument as none)
     refs = [
         task.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),

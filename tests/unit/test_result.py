@@ -121,6 +121,7 @@ def test_the_driver_writes_config_yaml_once_the_config_is_resolved_and_frozen(tm
     monkeypatch.setattr(fit_module, "_check_checkpoints", lambda config, output_dir: "checkpoints")
     monkeypatch.setattr(fit_module, "connect", lambda config: None)
     monkeypatch.setattr(fit_module, "_start_autoscaling_coordinator", lambda: None)
+    monkeypatch.setattr(fit_module, "check_shared", lambda paths, timeout_s: None)  # one node
     monkeypatch.setattr(fit_module, "_model_sizes", lambda config: None)
     monkeypatch.setattr(fit_module, "_gpus_are_real", lambda plan, timeout_s: True)  # no CPU kernel timing
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})
@@ -134,7 +135,8 @@ def test_the_driver_writes_config_yaml_once_the_config_is_resolved_and_frozen(tm
     monkeypatch.setattr(fit_module, "_run", run)
     config = load_config(None, ["train.steps=3"])
     from yatt_ray.metrics.startup import Startup
+    from yatt_ray.model_source import model_source
 
-    result = fit_module._start(config, {}, tmp_path, Startup())
+    result = fit_module._start(config, {}, tmp_path, Startup(), model_source(""))
     assert seen["frozen"] and seen["on_disk"] == config and config.rollout.engine == "hf"
     check_run_folder(result.output_dir, result.config)
