@@ -1,8 +1,9 @@
 """What a Ray Train start costs before the training function runs, with nothing of yatt_ray in it.
 
-    python release/bench_train_start.py            # 3 timed starts after a warm-up one
+    python release/bench_train_start.py                # 3 timed starts after a warm-up one, 2 workers
+    python release/bench_train_start.py --workers 4    # another size
 
-A `TorchTrainer` of 2 workers (1 CPU each, gloo) whose training function does nothing, on a local cluster of
+A `TorchTrainer` of `--workers` workers (default 2, 1 CPU each, gloo) whose training function does nothing, on a local cluster of
 8 logical CPUs: each start is timed to the moment rank 0 enters the function and to `fit()`'s return, the
 CPU-seconds the whole machine spent meanwhile are read from /proc/stat, and, for the last start, the CPU-seconds
 of each process (sampled every 0.1 s from /proc/<pid>/stat, so processes that exit are counted too) show where
@@ -13,6 +14,7 @@ they go: the Ray Train controller, the two workers, and the helper actors Ray Tr
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 import threading
@@ -78,14 +80,14 @@ def noop(config: dict) -> None:
         Path(config["entered"]).write_text(str(time.time()))
 
 
-def start_once(storage: str, name: str) -> tuple[float, float, float]:
+def start_once(storage: str, name: str, workers: int) -> tuple[float, float, float]:
     """(seconds to the function's start, seconds to fit()'s return, machine CPU-seconds meanwhile)."""
     entered = Path(storage) / f"{name}.entered"
     started, cpu = time.time(), busy_seconds()
     TorchTrainer(
         noop,
         train_loop_config={"entered": str(entered)},
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(storage_path=storage, name=name),
     ).fit()
@@ -93,19 +95,23 @@ def start_once(storage: str, name: str) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    print(f"CPU: {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.2f}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2, help="training workers (1 logical CPU each, of 8)")
+    workers = parser.parse_args().workers
+    print(f"CPU: {os.cpu_count()} cores; {workers} workers; load average before: {os.getloadavg()[0]:.2f}")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as storage:
-        start_once(storage, "warm-up")  # the first start imports what later ones find loaded
+        start_once(storage, "warm-up", workers)  # the first start imports what later ones find loaded
         for k in range(3):
             if k == 2:
                 with ProcessSampler() as sampler:
-                    entered, total, cpu = start_once(storage, f"run{k}")
+                    entered, total, cpu = start_once(storage, f"run{k}", workers)
             else:
-                entered, total, cpu = start_once(storage, f"run{k}")
+                entered, total, cpu = start_once(storage, f"run{k}", workers)
             print(f"start {k + 1}: function entered after {entered:.1f} s, fit() returned after {total:.1f} s, "
                   f"machine CPU {cpu:.1f} s")  # fmt: skip
     ray.shutdown()
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     print("CPU-seconds by process in the last start:")
     for seconds, title in sampler.by_title()[:12]:
         print(f"  {seconds:5.2f}  {title}")

@@ -512,6 +512,7 @@ def _resolve_judge_engine(config: Config, plan, on_gpu: bool) -> str:
     response + `JUDGE_TEMPLATE_TOKENS` (at most `max_prompt_tokens`), on a replica's CPUs in an actor, where
     B = min(batch_size, a step's samples / replicas) in full placement (judged after the rollout) and
     min(batch_size, rollout.n) otherwise (samples streamed to the judges as each prompt's finish)."""
+    from yatt_ray.reward.judge_replica import judge_engine_kwargs
     from yatt_ray.rollout import ENGINE_DTYPES, auto_engine, resolve_engine_kind
     from yatt_ray.rollout.engine_choice import RolloutShape
 
@@ -522,16 +523,16 @@ def _resolve_judge_engine(config: Config, plan, on_gpu: bool) -> str:
     if g.accelerators_per_replica > 1:
         g.engine = "vllm"
         return "vllm (auto: a judge split over accelerators needs vLLM's tensor parallelism)"
-    samples = math.ceil(config.train.prompts_per_step * config.rollout.over_sample) * config.rollout.n
-    if plan.mode != "full":  # streamed to the judges as generated: about one prompt's samples a batch
-        samples = config.rollout.n
-    else:  # judged after the rollout: a step's samples spread over the replicas
-        samples = math.ceil(samples / max(1, plan.genrm.replicas))
+    if plan.mode == "full":  # judged after the rollout: a step's samples spread over the replicas
+        step = math.ceil(config.train.prompts_per_step * config.rollout.over_sample) * config.rollout.n
+        batch = math.ceil(step / max(1, plan.genrm.replicas))
+    else:  # streamed to the judges as generated: about one prompt's samples a batch
+        batch = config.rollout.n
     answer = config.data.max_prompt_tokens + config.rollout.max_new_tokens + JUDGE_TEMPLATE_TOKENS
     shape = None
     if not on_gpu:
         shape = RolloutShape(
-            prompts=max(1, min(g.batch_size, samples)),
+            prompts=max(1, min(g.batch_size, batch)),
             prompt_tokens=max(1, min(g.max_prompt_tokens, answer)),
             n=1,
             max_new_tokens=g.max_new_tokens,
@@ -539,13 +540,8 @@ def _resolve_judge_engine(config: Config, plan, on_gpu: bool) -> str:
             dtype=ENGINE_DTYPES[g.dtype],
             beside_trainer=False,  # a Serve replica: an actor of its own
         )
-    kwargs = dict(
-        seed=0,
-        dtype=ENGINE_DTYPES[g.dtype],
-        kv_cache_gb=g.kv_cache_gb,
-        max_model_len=g.max_prompt_tokens + g.max_new_tokens,
-    )
-    choice = auto_engine(g.path, on_gpu, shape, kwargs if shape is not None else None)
+    kwargs = judge_engine_kwargs(g) if shape is not None else None  # the replica's engine, timed as built
+    choice = auto_engine(g.path, on_gpu, shape, kwargs)
     g.engine = choice.kind  # type: ignore[assignment]
     return choice.describe()
 

@@ -17,6 +17,20 @@ from yatt_ray.config import GenRMConfig
 from yatt_ray.reward.genrm import JudgeRequest, Verdict, resolve_parser, resolve_template, tp_kwargs
 
 
+def judge_engine_kwargs(settings: Any) -> dict[str, Any]:
+    """What a judge engine is built with (`make_engine`'s keywords besides the kind and path), from the run's
+    `reward.genrm` section: the replica builds it so, and the driver times the engines so (`fit`)."""
+    from yatt_ray.rollout import ENGINE_DTYPES
+
+    return dict(
+        seed=0,
+        dtype=ENGINE_DTYPES[settings.dtype],
+        kv_cache_gb=settings.kv_cache_gb,
+        max_model_len=settings.max_prompt_tokens + settings.max_new_tokens,
+        engine_kwargs=tp_kwargs(settings.accelerators_per_replica),
+    )
+
+
 class GenRMJudge:
     """The Serve deployment's class: one judge engine per replica, batched greedy verdicts.
 
@@ -30,7 +44,7 @@ class GenRMJudge:
         from transformers import AutoTokenizer
 
         from yatt_ray.metrics.timeline import SpanRecorder, local_accelerator
-        from yatt_ray.rollout import ENGINE_DTYPES, SamplingSpec, make_engine
+        from yatt_ray.rollout import SamplingSpec, make_engine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.settings = settings
@@ -38,15 +52,7 @@ class GenRMJudge:
         self.parser = resolve_parser(settings.parser)
         self.tokenizer = AutoTokenizer.from_pretrained(settings.path)
         self.max_prompt_tokens = settings.max_prompt_tokens
-        self.engine = make_engine(
-            settings.engine,
-            settings.path,
-            seed=0,
-            dtype=ENGINE_DTYPES[settings.dtype],
-            kv_cache_gb=settings.kv_cache_gb,
-            max_model_len=self.max_prompt_tokens + settings.max_new_tokens,
-            engine_kwargs=tp_kwargs(settings.accelerators_per_replica),
-        )
+        self.engine = make_engine(settings.engine, settings.path, **judge_engine_kwargs(settings))
         eos = self.tokenizer.eos_token_id
         self.spec = SamplingSpec(
             n=1, max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=(eos,)
