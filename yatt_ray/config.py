@@ -147,8 +147,13 @@ class RolloutConfig(_Section):
     # engine actors (placement.rollout_engines): how weights reach them; auto = the object store on the
     # pusher's node, a broadcast group (gloo / NCCL) to other nodes
     weight_transport: WeightTransport = "auto"
-    # vLLM's KV cache per engine in GiB (on a CPU, resident host memory); the hf engine ignores it
-    kv_cache_gb: float = 1.0
+    # vLLM's KV cache per engine in GiB (on a CPU, resident host memory); the hf engine ignores it. null: on GPUs
+    # vLLM sizes it from gpu_memory_utilization (what is left of that part of the GPU after the weights), on
+    # CPUs 1 GiB
+    kv_cache_gb: float | None = None
+    # vLLM on GPUs: the part of each GPU an engine may take (weights, KV cache, activations); with full
+    # coexistence the trainer's state is in host memory while the engine generates
+    gpu_memory_utilization: float = 0.5
     # fixed-length generation for throughput runs: no stop at EOS (or any stop token), every completion runs
     # to max_new_tokens (finish_reason "length"); the tokens after an EOS are scored and trained on as they are
     ignore_eos: bool = False
@@ -270,7 +275,8 @@ class PlacementConfig(_Section):
     genrm_share: float = (
         0.1  # full, partial: the part of each GPU's Ray resource a GenRM replica claims (a token)
     )
-    # GiB of memory of one GPU: the plan's memory estimate per accelerator is checked against it; null: no check
+    # GiB of memory of one GPU: the plan's memory estimate per accelerator is checked against it; null: read from
+    # a GPU of the cluster (no check on logical GPUs without CUDA)
     gpu_memory_gb: float | None = None
 
 
@@ -394,6 +400,9 @@ class TrainConfig(_Section):
     # ZeRO-1 (Megatron's distributed optimizer): the optimizer state (main weights, Adam moments) is sharded over
     # the data-parallel ranks, gradients are reduce-scattered and the updated weights all-gathered
     distributed_optimizer: bool = False
+    # activation recomputation: each decoder layer keeps only its input for the backward and runs its forward
+    # again there (~1/3 more train compute; a 7B layer's saved activations 4.6 MB a token -> 0.37 MB in bf16)
+    recompute_activations: bool = False
 
 
 @dataclass
@@ -727,7 +736,14 @@ def _data_errors(d: DataConfig) -> list[str]:
 
 def _rollout_errors(r: RolloutConfig) -> list[str]:
     return _failed([
-        (r.kv_cache_gb > 0, f"rollout.kv_cache_gb={r.kv_cache_gb} must be > 0 (GiB)"),
+        (
+            r.kv_cache_gb is None or r.kv_cache_gb > 0,
+            f"rollout.kv_cache_gb={r.kv_cache_gb} must be > 0 (GiB), or null (sized by vLLM on GPUs)",
+        ),
+        (
+            0 < r.gpu_memory_utilization <= 1,
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]",
+        ),
         (r.n >= 1, f"rollout.n={r.n} must be >= 1"),
         (r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1"),
         (r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0"),

@@ -190,8 +190,12 @@ def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startu
 
     from yatt_ray.placement import plan_placement
 
-    plan = plan_placement(config, ray.cluster_resources(), _model_sizes(config))
-    real_gpus = _gpus_are_real(plan, config.cluster.timeout_s)
+    sizes = _model_sizes(config)
+    plan = plan_placement(config, ray.cluster_resources(), sizes)
+    gpu_gb = _gpu_memory_gb(plan, config.cluster.timeout_s)
+    real_gpus = gpu_gb > 0  # logical GPUs without CUDA behind them (CPU tests of placement): compute on CPUs
+    if real_gpus:
+        print(_check_device_memory(config, plan, sizes, gpu_gb), flush=True)
     engine = _resolve_engine(config, plan, real_gpus)  # on CPUs "auto" may time both engines (cached)
     if plan.genrm is not None:
         engine += f"\n  judge engine: {_resolve_judge_engine(config, plan, real_gpus)}"
@@ -415,7 +419,7 @@ def _kernels(config: Config, cpus_per_worker: int) -> str:
 
 
 def _model_sizes(config: Config):
-    """Parameter counts for the placement plan's memory check."""
+    """Parameter counts and the policy's shape, for the placement plan's memory check."""
     from yatt_ray.placement import ModelSizes, param_count
 
     critic = param_count(config.critic.path or config.model.path) if config.critic.enable else 0
@@ -425,41 +429,61 @@ def _model_sizes(config: Config):
             judge = param_count(config.reward.genrm.path)
         except ConfigError:  # a judge of another architecture: the check counts the policy side only
             judge = 0
-    return ModelSizes(policy=param_count(config.model.path), critic=critic, judge=judge)
+    from yatt_ray.model_shape import LlamaShape
+
+    shape = LlamaShape.from_hf_dir(config.model.path)
+    return ModelSizes(param_count(config.model.path), critic=critic, judge=judge, shape=shape)
 
 
-_GPUS_ARE_REAL: dict[tuple, bool] = {}  # the GPU nodes of a cluster -> the probe's answer
+# the GPU nodes of a cluster -> the probe's answer: the GiB of one of their GPUs, 0 without CUDA behind them
+_GPU_MEMORY_GB: dict[tuple, float] = {}
 
 
-def _gpus_are_real(plan, timeout_s: float) -> bool:
-    """Whether the GPUs the plan claims have CUDA behind them. A cluster may declare logical GPUs (CPU
-    tests of placement): the plan follows them, and the workers compute on their CPUs. Asked once per set
-    of GPU nodes in this process (the probe starts a worker process: 2 s a run on a 2-core machine)."""
+def _gpu_memory_gb(plan, timeout_s: float) -> float:
+    """GiB of memory of one of the cluster's GPUs: 0 without GPUs, or where the GPUs the plan claims have no
+    CUDA behind them (a cluster may declare logical GPUs: the plan follows them, the workers compute on their
+    CPUs). Asked once
+    per set of GPU nodes in this process (the probe starts a worker process: 2 s a run on a 2-core machine)."""
     if not plan.uses_gpus:
-        return False
+        return 0.0
     import ray
 
     nodes = tuple(sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")))
-    if nodes not in _GPUS_ARE_REAL:
-        _GPUS_ARE_REAL[nodes] = _probe_gpus(plan, timeout_s)
-    return _GPUS_ARE_REAL[nodes]
+    if nodes not in _GPU_MEMORY_GB:
+        _GPU_MEMORY_GB[nodes] = _probe_gpus(plan, timeout_s)
+    return _GPU_MEMORY_GB[nodes]
 
 
-def _probe_gpus(plan, timeout_s: float) -> bool:
+def _check_device_memory(config: Config, plan, sizes, read_gb: float) -> str:
+    """The memory check on real GPUs (`placement.check_memory`), against placement.gpu_memory_gb or else
+    `read_gb`, what the probe read from a device; returns the plan's memory line."""
+    from yatt_ray.placement import check_memory
+
+    have, where = config.placement.gpu_memory_gb, "placement.gpu_memory_gb"
+    if have is None:
+        have, where = read_gb, "read from a GPU"
+    est = check_memory(plan, config, sizes, have)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items())
+    return f"  memory per GPU (GiB, estimated): {parts} of {have:.1f} ({where})"
+
+
+def _probe_gpus(plan, timeout_s: float) -> float:
     import ray
 
     @ray.remote(num_gpus=plan.gpus_per_worker, num_cpus=0)
-    def probe() -> bool:
+    def probe() -> float:
         import torch
 
-        return torch.cuda.is_available()
+        if not torch.cuda.is_available():
+            return 0.0
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
 
-    real = bool(ray.get(probe.remote(), timeout=timeout_s))
-    if not real:
+    gib = float(ray.get(probe.remote(), timeout=timeout_s))
+    if not gib:
         log.warning(
             "the cluster's GPUs have no CUDA behind them: placement follows them, compute runs on CPUs"
         )
-    return real
+    return gib
 
 
 def _resolve_engine(config: Config, plan, on_gpu: bool) -> str:

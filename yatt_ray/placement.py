@@ -22,18 +22,21 @@ generative reward model (GenRM, a Ray Serve deployment) is placed by `placement.
   (`rollout/pool.py`); the trainers then only train. Elsewhere each controller's engine lives in its own
   process beside its trainer (weights move in memory: the fastest form on a shared accelerator).
 
-Memory (checked when `placement.gpu_memory_gb` is set) is estimated per accelerator from the parameter
-counts. Per TP-local parameter a trainer holds (`trainer_bytes_per_param`) weights w = 4 (train.dtype=fp32)
-or 2 (bf16), fp32 gradients 4 (Megatron's main_grad) and the optimizer state: Adam moments 8, plus fp32
-main weights 4 for bf16 only (fp32 weights are their own main copy), divided by d = train.dp_size under
-train.distributed_optimizer (ZeRO-1). In bytes per parameter:
+Memory is checked on real GPUs (their memory read from a device by the driver, or `placement.gpu_memory_gb`
+when set: then also on logical GPUs) and estimated per accelerator from the parameter counts. Per TP-local
+parameter a trainer holds (`trainer_bytes_per_param`) weights w = 4 (train.dtype=fp32) or 2 (bf16), fp32
+gradients 4 (Megatron's main_grad) and the optimizer state: Adam moments 8, plus fp32 main weights 4 for bf16
+only (fp32 weights are their own main copy), divided by d = train.dp_size under train.distributed_optimizer
+(ZeRO-1). In bytes per parameter:
 
     dtype   replicated   distributed optimizer
     fp32    16           8 + 8 / d
     bf16    18           6 + 12 / d
 
 The trainer term is that x P / tp, + w P / tp for a reference model, + that x P_critic / tp for a critic;
-rollout w P + KV cache (the engine generates in train.dtype); GenRM w_judge J / accelerators_per_replica
+rollout w P + KV cache (the engine generates in train.dtype; with rollout.kv_cache_gb null, vLLM's
+rollout.gpu_memory_utilization of the GPU); the trainer's activations at its largest micro-batch are added
+when the policy's shape is known (`activation_bytes`); GenRM w_judge J / accelerators_per_replica
 (w_judge from reward.genrm.dtype) + KV cache. Full coexistence needs the largest phase; partial needs
 max(trainer, rollout + GenRM) (engine and judge resident together while rolling out); disaggregated needs
 max(trainer, rollout) on the trainer slice and the GenRM term on the GenRM slice.
@@ -42,10 +45,12 @@ max(trainer, rollout) on the trainer slice and the GenRM term on the GenRM slice
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from yatt_ray.config import Config
 from yatt_ray.errors import PlacementError
 
+RESERVED_GB = 2.0  # of each GPU, kept out of the memory check: the CUDA context, NCCL buffers, fragmentation
 DATA_CPUS = 1  # kept free for Ray Data's read tasks; without one the prompt streams would stall
 GIB = 2**30
 
@@ -226,11 +231,13 @@ class PlacementPlan:
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """Parameter counts for the memory check (policy, critic or 0, judge or 0)."""
+    """Parameter counts for the memory check (policy, critic or 0, judge or 0), and the policy's decoder shape
+    (`LlamaShape`; None: activations are not counted)."""
 
     policy: int
     critic: int = 0
     judge: int = 0
+    shape: Any = None
 
 
 def plan_placement(
@@ -280,7 +287,7 @@ def plan_placement(
     )
     plan.check(cluster)
     if sizes is not None and config.placement.gpu_memory_gb is not None and use_gpu:
-        _check_memory(plan, config, sizes, config.placement.gpu_memory_gb)
+        check_memory(plan, config, sizes, config.placement.gpu_memory_gb)
     return plan
 
 
@@ -348,14 +355,49 @@ def trainer_bytes_per_param(dtype: str, distributed_optimizer: bool, dp_size: in
     return weight_bytes(dtype) + 4 + optimizer / shards
 
 
-def memory_estimate_gb(plan: PlacementPlan, config: Config, sizes: ModelSizes) -> dict[str, float]:
-    """Per-accelerator GiB of each role (see the module docstring for the byte counts)."""
+def micro_batch_tokens(config: Config) -> int:
+    """The most tokens one trainer forward holds: `train.max_tokens_per_micro_batch`, else micro_batch_size
+    whole samples of max_prompt_tokens + max_new_tokens."""
+    t = config.train
+    longest = config.data.max_prompt_tokens + config.rollout.max_new_tokens
+    return t.max_tokens_per_micro_batch or t.micro_batch_size * longest
+
+
+def activation_bytes(shape: Any, tokens: int, tp: int, dtype: str, recompute: bool) -> float:
+    """Bytes a training forward of `tokens` tokens keeps for its backward on one TP rank, at the peak.
+
+    Per token and layer a decoder layer saves about (6 h + (3 F + q + 2 kv) / tp) values in the weights'
+    dtype (norm inputs and outputs, the attention's q, k, v and output, the residuals, the SwiGLU's two
+    halves and product; no s^2 term: attention is fused), h hidden, F the MLP's width, q and kv the query
+    and key/value widths. With recomputation (`train.recompute_activations`) a layer keeps only its input h,
+    and one layer's full set exists while it is recomputed. The logits and their gradient add 2 x V / tp
+    values a token (the log-probs are taken in chunks, `train/logprobs.py`, so no float32 copy of them)."""
+    w = weight_bytes(dtype)
+    h, layers = shape.hidden_size, shape.num_layers
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    layer = 6 * h + (3 * shape.ffn_hidden_size + q + 2 * kv) / tp
+    kept = h * layers + layer if recompute else layer * layers
+    return tokens * w * (kept + 2 * shape.vocab_size / tp)
+
+
+def memory_estimate_gb(
+    plan: PlacementPlan, config: Config, sizes: ModelSizes, have_gb: float | None = None
+) -> dict[str, float]:
+    """Per-accelerator GiB of each role (see the module docstring for the byte counts); the trainer's
+    activations when `sizes.shape` is known (`activation_bytes`). With rollout.kv_cache_gb null the engine
+    takes rollout.gpu_memory_utilization of `have_gb` (its weights alone when `have_gb` is unknown)."""
     t, tp = config.train, plan.tp_size
     w = weight_bytes(t.dtype)
     per_param = trainer_bytes_per_param(t.dtype, t.distributed_optimizer, plan.dp_size)
     reference = w * sizes.policy if config.algo.kl_coef > 0 else 0
     trainer = (per_param * (sizes.policy + sizes.critic) + reference) / tp
-    rollout = w * sizes.policy + config.rollout.kv_cache_gb * GIB
+    if sizes.shape is not None:
+        tokens = micro_batch_tokens(config)
+        trainer += activation_bytes(sizes.shape, tokens, tp, t.dtype, t.recompute_activations)
+    r = config.rollout
+    rollout = w * sizes.policy + (r.kv_cache_gb or 0) * GIB
+    if r.kv_cache_gb is None and have_gb is not None:
+        rollout = max(rollout, r.gpu_memory_utilization * have_gb * GIB)
     out = {"trainer": trainer / GIB, "rollout": rollout / GIB}
     if plan.genrm is not None:
         g = config.reward.genrm
@@ -364,8 +406,16 @@ def memory_estimate_gb(plan: PlacementPlan, config: Config, sizes: ModelSizes) -
     return out
 
 
-def _check_memory(plan: PlacementPlan, config: Config, sizes: ModelSizes, have_gb: float) -> None:
-    est = memory_estimate_gb(plan, config, sizes)
+def check_memory(plan: PlacementPlan, config: Config, sizes: ModelSizes, have_gb: float) -> dict[str, float]:
+    """Raise PlacementError when a phase needs more than `have_gb` GiB per accelerator; returns the estimates."""
+    est = memory_estimate_gb(plan, config, sizes, have_gb)
+    r, weights_gb = config.rollout, weight_bytes(config.train.dtype) * sizes.policy / GIB
+    if r.kv_cache_gb is None and weights_gb > 0.9 * r.gpu_memory_utilization * have_gb:
+        raise PlacementError(
+            f"the rollout engine's part of each GPU, rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} "
+            f"of {have_gb:g} GiB, leaves no room for a KV cache beside the policy's {weights_gb:.1f} GiB of "
+            "weights. Raise rollout.gpu_memory_utilization, or set rollout.kv_cache_gb."
+        )
     if plan.mode == "full":
         needs = {"the largest phase (" + max(est, key=est.__getitem__) + ")": max(est.values())}
     elif plan.mode == "partial":
@@ -377,14 +427,17 @@ def _check_memory(plan: PlacementPlan, config: Config, sizes: ModelSizes, have_g
             "the GenRM slice": est.get("genrm", 0),
         }
     for where, gb in needs.items():
-        if gb > have_gb:
+        if gb > have_gb - RESERVED_GB:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in est.items())
             raise PlacementError(
                 f"{plan.mode} coexistence needs about {gb:.1f} GiB per accelerator for {where} (estimates in "
-                f"GiB: {parts}) but placement.gpu_memory_gb={have_gb:g}. Raise train.tp_size or "
-                "reward.genrm.accelerators_per_replica, lower rollout.kv_cache_gb / reward.genrm.kv_cache_gb, "
-                "set train.distributed_optimizer=true or train.dtype=bf16, or use a larger accelerator."
+                f"GiB: {parts}) but each has {have_gb:g} ({RESERVED_GB:g} of it kept free). Raise train.tp_size or "
+                "reward.genrm.accelerators_per_replica, set train.recompute_activations=true or lower "
+                "train.max_tokens_per_micro_batch, lower rollout.kv_cache_gb / gpu_memory_utilization or "
+                "reward.genrm.kv_cache_gb, set train.distributed_optimizer=true or train.dtype=bf16, or use a "
+                "larger accelerator."
             )
+    return est
 
 
 def shared_cpus(cpus: float, workers: int) -> int:

@@ -94,6 +94,7 @@ def build_roles(
         "seed": t.seed,
         "dtype": t.dtype,
         "distributed_optimizer": t.distributed_optimizer,
+        "recompute_activations": t.recompute_activations,
     }
     policy = MegatronPolicy(
         config.model.path,
@@ -161,6 +162,7 @@ def engine_kwargs(config: Config, seed: int) -> dict[str, Any]:
         "seed": seed,
         "dtype": ENGINE_DTYPES[config.train.dtype],  # the engine generates in the trainer's dtype
         "kv_cache_gb": config.rollout.kv_cache_gb,
+        "gpu_memory_utilization": config.rollout.gpu_memory_utilization,  # vLLM on GPUs (kv_cache_gb null)
         "max_model_len": config.data.max_prompt_tokens + config.rollout.max_new_tokens,
     }
 

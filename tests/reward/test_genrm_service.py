@@ -262,24 +262,35 @@ def replica_names() -> set[str]:
 
 
 def test_a_replica_killed_mid_flight_costs_no_sample_and_scores_none_twice(two_replicas):
-    """Requests on the dead replica are answered elsewhere (Serve reroutes them, the client retries what
-    still fails); each sample gets exactly one verdict, and Serve replaces the replica."""
+    """A replica killed while it judges: the requests it held fail (ActorDiedError), the client sends them
+    all again at once (not one by one as `collect` reaches them) and the surviving replica answers them; each
+    sample gets exactly one verdict, and Serve replaces the replica."""
     import ray
 
-    # per attempt: 3000 requests land on the one surviving replica while Serve replaces the other (2 cores)
-    client = GenRMClient(timeout_s=90, max_retries=4, connect_timeout_s=60)
-    batch = requests(3000, seed=2, prefix="k")
+    both_replicas()  # both up and answering (a replica an earlier test killed has been replaced)
     before = replica_names()
     assert len(before) == 2
     victim = ray.get_actor(sorted(before)[0], namespace="serve")
+    # 3 x max_ongoing_requests (4 x batch_size = 128): each replica holds 128 requests, 128 wait at the router
+    client = GenRMClient(timeout_s=60, max_retries=3, connect_timeout_s=60)
+    batch = requests(384, seed=2, prefix="k")
     client.submit(batch)
     killed_at: list[float] = []
-    killer = threading.Timer(1.0, lambda: (ray.kill(victim), killed_at.append(time.time())))
+
+    def kill_once_judging() -> None:  # the first verdict is in: both replicas hold a full queue of requests
+        deadline = time.time() + 60
+        while len(client.pending) == len(batch) and time.time() < deadline:
+            time.sleep(0.01)
+        ray.kill(victim)
+        killed_at.append(time.time())
+
+    killer = threading.Thread(target=kill_once_judging, daemon=True)
     killer.start()
     verdicts = client.collect()
     done_at = time.time()
     killer.join()
     assert killed_at and killed_at[0] < done_at, "the replica died while the batch was being judged"
+    assert client.retries > 0, "requests in flight on the killed replica failed and were sent again"
     assert sorted(verdicts) == sorted(r.key for r in batch), "every sample scored exactly once"
     assert all(v.key == k for k, v in verdicts.items())
     agree = sum(v.score == float(k.endswith(":1")) for k, v in verdicts.items())

@@ -305,11 +305,11 @@ def test_a_7b_trainer_does_not_fit_80_gib_without_both(dtype, distributed):
 
 
 def test_bf16_with_a_distributed_optimizer_fits_where_fp32_does_not():
-    from yatt_ray.placement import ModelSizes, _check_memory, memory_estimate_gb
+    from yatt_ray.placement import ModelSizes, check_memory, memory_estimate_gb
 
     sizes, cluster = ModelSizes(policy=7_000_000_000), {"CPU": 64.0, "GPU": 8.0}
     fp32, zero = mem_cfg("fp32", False, *FIT), mem_cfg("bf16", True, *FIT)
     plan = plan_placement(zero, cluster, sizes)  # the memory check passes
     assert memory_estimate_gb(plan, zero, sizes)["trainer"] == pytest.approx(9.5 * 7e9 / 2**30)
     with pytest.raises(PlacementError, match=r"needs about 130\.4 GiB"):
-        _check_memory(plan, fp32, sizes, 80)
+        check_memory(plan, fp32, sizes, 80)

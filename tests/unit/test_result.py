@@ -123,7 +123,8 @@ def test_the_driver_writes_config_yaml_once_the_config_is_resolved_and_frozen(tm
     monkeypatch.setattr(fit_module, "_start_autoscaling_coordinator", lambda: None)
     monkeypatch.setattr(fit_module, "check_shared", lambda paths, timeout_s: None)  # one node
     monkeypatch.setattr(fit_module, "_model_sizes", lambda config: None)
-    monkeypatch.setattr(fit_module, "_gpus_are_real", lambda plan, timeout_s: True)  # no CPU kernel timing
+    monkeypatch.setattr(fit_module, "_gpu_memory_gb", lambda plan, timeout_s: 80.0)  # no CPU kernel timing
+    monkeypatch.setattr(fit_module, "_check_device_memory", lambda config, plan, sizes, read_gb: "memory")
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})
     monkeypatch.setattr(placement, "plan_placement", lambda config, resources, sizes=None: Plan())
 

@@ -7,10 +7,14 @@ verdicts are no longer wanted (in partial coexistence: the streamed samples of a
 take): their requests are cancelled and forgotten, so nothing is kept past its step. A request whose replica
 dies (or whose batch fails) is cancelled and sent again; one that outlives `reward.genrm.timeout_s` is waited
 for again where it is (a resend would queue behind every sample sent since); each counts as a retry, up to
-`max_retries`. Verdicts are kept by the sample's key, and only the live attempt of a key is ever read, so a
-retried sample is scored once, and a key is read (or discarded) once. Past the retries, `GenRMError` names
-the samples lost, and every request is cancelled. Serve's INFO line for each cancelled request ("Cancelling
-request that has already been assigned to a replica") is filtered out: the client cancels on purpose.
+`max_retries`. `collect` waits on one sample at a time, and when that one fails, or every few seconds while it
+waits, looks at the others it was asked for without waiting: the requests a dead replica held fail at once
+(Serve sends the ones still queued at its router to the live replicas), and are all sent again then, not one
+by one as `collect` reaches them. Verdicts are kept by the sample's key, and only the live attempt of a key is
+ever read, so a retried sample is scored once, and a key is read (or discarded) once. Past the retries,
+`GenRMError` names the samples lost, and every request is cancelled. Serve's INFO line for each cancelled
+request ("Cancelling request that has already been assigned to a replica") is filtered out: the client cancels
+on purpose.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from yatt_ray.errors import YattError
 from yatt_ray.reward.genrm import APP_NAME, JudgeRequest, Verdict
 
 log = logging.getLogger(__name__)
+# while `collect` waits on one sample, how often it looks for failed requests among the others
+_CHECK_EVERY_S = 2.0
 _SERVE_CANCEL_NOTE = "Cancelling request that has already been assigned to a replica"
 
 
@@ -100,17 +106,43 @@ class GenRMClient:
             while key not in done:
                 with self.lock:
                     item = self.pending[key]
-                left = max(self.timeout_s - (time.time() - item.sent_at), 0.01)
+                left = self.timeout_s - (time.time() - item.sent_at)
                 try:
-                    verdict = item.response.result(timeout_s=left)
+                    verdict = item.response.result(timeout_s=min(max(left, 0.01), _CHECK_EVERY_S))
                 except Exception as exc:  # a dead replica, a timeout, a failed batch: send the sample again
+                    slow = _not_ready(exc)
+                    if slow and left > _CHECK_EVERY_S:  # still judged; meanwhile, did other requests fail?
+                        self._check(wanted, done)
+                        continue
                     with self.lock:
                         self._retry(key, item, exc)
+                    if not slow:  # a replica that died took the other requests it held with it
+                        self._check(wanted, done)
                     continue
                 with self.lock:
                     done[key] = verdict
                     del self.pending[key]
         return done
+
+    def _check(self, wanted: list[str], done: dict[str, Verdict]) -> None:
+        """Without waiting: take the verdicts of `wanted` that are in, and send again at once the samples whose
+        request failed (a replica that dies fails all the requests it held), so none waits its turn in
+        `collect` to be resent."""
+        for key in wanted:
+            if key in done:
+                continue
+            with self.lock:
+                item = self.pending[key]
+            try:
+                verdict = item.response.result(timeout_s=0)
+            except Exception as exc:
+                if not _not_ready(exc):
+                    with self.lock:
+                        self._retry(key, item, exc)
+                continue
+            with self.lock:
+                done[key] = verdict
+                del self.pending[key]
 
     def discard(self, keys: Iterable[str]) -> int:
         """Stop waiting for `keys`: their requests are cancelled (best effort: Serve drops a request still
@@ -135,7 +167,7 @@ class GenRMClient:
                 "reward.genrm.timeout_s / max_retries, or add replicas"
             ) from exc
         self.retries += 1
-        if isinstance(exc, TimeoutError):
+        if _not_ready(exc):
             # Still queued or being judged: wait once more on the same request. A resend would join the back of
             # the replicas' queues behind every sample submitted since, and under load time out again.
             log.warning(
@@ -146,6 +178,14 @@ class GenRMClient:
         item.response.cancel()
         log.warning("GenRM request %s failed (%s: %s); retrying", key, type(exc).__name__, exc)
         self.pending[key] = _Pending(item.request, self.handle.judge.remote(item.request), item.attempts + 1)
+
+
+def _not_ready(exc: Exception) -> bool:
+    """`result(timeout_s=...)` ran out of time: the request is still queued or being judged (not a judge that
+    raised TimeoutError)."""
+    from ray.exceptions import RayTaskError
+
+    return isinstance(exc, TimeoutError) and not isinstance(exc, RayTaskError)
 
 
 def _app_handle(timeout_s: float):

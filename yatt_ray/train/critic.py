@@ -94,7 +94,8 @@ class MegatronCritic(MegatronTrainerBase):
         lr, weight_decay, betas: AdamW settings (no weight decay on 1-D params: norm weights, head bias).
         grad_clip: max global grad norm (<= 0 turns clipping off; the norm is still reported).
         seed: torch and Megatron RNG seed; also seeds the new head's weights.
-        dtype, distributed_optimizer: the weights' dtype ("fp32" | "bf16") and ZeRO-1 (see `trainer_base`).
+        dtype, distributed_optimizer, recompute_activations: the weights' dtype ("fp32" | "bf16"), ZeRO-1 and
+            activation recomputation (see `trainer_base`).
         head_init_std: std of a new head's weights; None = 1/(hidden_size+1); 0 = zeros. Unused when
             `model_dir` holds a saved critic.
     """
@@ -110,11 +111,21 @@ class MegatronCritic(MegatronTrainerBase):
         seed: int = 0,
         dtype: str = "fp32",
         distributed_optimizer: bool = False,
+        recompute_activations: bool = False,
         head_init_std: float | None = None,
     ):
         self.head_init_std = head_init_std
         super().__init__(
-            model_dir, tp_size, lr, weight_decay, betas, grad_clip, seed, dtype, distributed_optimizer
+            model_dir,
+            tp_size,
+            lr,
+            weight_decay,
+            betas,
+            grad_clip,
+            seed,
+            dtype,
+            distributed_optimizer,
+            recompute_activations,
         )
 
     # ---- construction -------------------------------------------------------------------------------------
@@ -127,7 +138,8 @@ class MegatronCritic(MegatronTrainerBase):
     def _build_model(self) -> torch.nn.Module:
         from megatron.core import parallel_state as ps
 
-        model = build_gpt_model(dataclasses.replace(self.shape, tie_word_embeddings=False), self.dtype)
+        shape = dataclasses.replace(self.shape, tie_word_embeddings=False)
+        model = build_gpt_model(shape, self.dtype, recompute=self.recompute)
         model.output_layer = ValueHead(self.shape.hidden_size).to(
             model.embedding.word_embeddings.weight.device, self.dtype
         )

@@ -65,7 +65,8 @@ class MegatronPolicy(MegatronTrainerBase):
         lr, weight_decay, betas: AdamW settings (no weight decay on 1-D params: the RMSNorm weights).
         grad_clip: max global grad norm (<= 0 turns clipping off; the norm is still reported).
         seed: torch and Megatron RNG seed.
-        dtype, distributed_optimizer: the weights' dtype ("fp32" | "bf16") and ZeRO-1 (see `trainer_base`).
+        dtype, distributed_optimizer, recompute_activations: the weights' dtype ("fp32" | "bf16"), ZeRO-1 and
+            activation recomputation (see `trainer_base`).
         with_reference: also build a frozen copy of the initial weights for reference log-probs.
         train_vision: for a LLaVA policy, "none" | "projector" | "all" (see above).
     """
@@ -81,12 +82,22 @@ class MegatronPolicy(MegatronTrainerBase):
         seed: int = 0,
         dtype: str = "fp32",
         distributed_optimizer: bool = False,
+        recompute_activations: bool = False,
         with_reference: bool = False,
         train_vision: str = "none",
     ):
         self.vision = is_vision_model(model_dir)
         super().__init__(
-            model_dir, tp_size, lr, weight_decay, betas, grad_clip, seed, dtype, distributed_optimizer
+            model_dir,
+            tp_size,
+            lr,
+            weight_decay,
+            betas,
+            grad_clip,
+            seed,
+            dtype,
+            distributed_optimizer,
+            recompute_activations,
         )
         self.reference = self._build_model().eval().requires_grad_(False) if with_reference else None
         self.encoder: Encoder | None = None
@@ -112,7 +123,7 @@ class MegatronPolicy(MegatronTrainerBase):
                     self.reference_encoder = copy.deepcopy(self.encoder).requires_grad_(False)
 
     def _build_model(self) -> torch.nn.Module:
-        model = build_gpt_model(self.shape, self.dtype)
+        model = build_gpt_model(self.shape, self.dtype, recompute=self.recompute)
         if self.vision:
             load_language_model_weights(model, self.model_dir, self.shape)
         else:

@@ -56,6 +56,8 @@ class MegatronTrainerBase:
         seed: torch and Megatron RNG seed.
         dtype: "fp32" or "bf16" (the weights and compute; gradients and the optimizer's main weights are fp32).
         distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
+        recompute_activations: run each decoder layer's forward again in the backward instead of keeping its
+            activations (`model.recompute_layers`).
     """
 
     def __init__(
@@ -69,12 +71,14 @@ class MegatronTrainerBase:
         seed: int,
         dtype: str = "fp32",
         distributed_optimizer: bool = False,
+        recompute_activations: bool = False,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
 
         self.model_dir = Path(model_dir)
+        self.recompute = recompute_activations
         self.shape = LlamaShape.from_hf_dir(self.model_dir)
         self.seed = seed
         init_parallel_state(tp_size)  # imports Megatron (`import_megatron`) on first use
