@@ -67,9 +67,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         controller.open_checkpoints(loop_config)  # the prompt streams start reading here ...
         mark("data_opened")
         handles = loop_config.get("engines")  # the engine actors' (None: each controller's engine in process)
-        engine = None
-        if layout.is_controller:
-            engine = start_engine(config, layout, roles.policy, handles, controller.attempt)
+        engine = controller.start_engine(handles) if layout.is_controller else None
         controller.attach_engine(engine, engine_actors=handles is not None)
         mark("engine_started")  # ... while the engine loads
         controller.run()
@@ -154,6 +152,20 @@ class GroupController:
         self.kl_ctl.value = resumed.kl_coef
         if self.collector is not None:
             self.collector.load_state_dict({"keep_rate": resumed.keep_rate})
+
+    def start_engine(self, handles: Any) -> RolloutEngine:
+        """This controller's rollout engine (`roles.start_engine`; `handles`: the engine actors', or None). In
+        full coexistence (`self.offload`) an engine in this process starts while the trainers' state is in host
+        memory, then sleeps before it comes back: vLLM takes rollout.gpu_memory_utilization of the GPU as it
+        starts, and refuses to start where less is free (a 7B trainer's state alone is ~60 GiB)."""
+        beside = self.offload and handles is None
+        if beside:
+            self._move_trainers("offload")
+        engine = start_engine(self.config, self.layout, self.policy, handles, self.attempt)
+        if beside:
+            engine.sleep()
+            self._move_trainers("onload")
+        return engine
 
     def attach_engine(self, engine: RolloutEngine | None, engine_actors: bool = False) -> None:
         """The controller's rollout engine (None on other ranks), started once the prompt streams opened; a
