@@ -156,8 +156,8 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
 
     quiet_driver(config.output.verbose)
     source = _fetch_model(config)  # a URL or hub id: fetched here first (the checks read it)
-    _prepare_inputs(config)
-    files = _check_inputs(config)
+    demo = _prepare_inputs(config)
+    files = _check_inputs(config, demo)
     _check_local_placement(config)  # a local cluster's plan: refused before Ray starts and before a folder
     output_dir = _output_dir(config)
     try:
@@ -249,9 +249,11 @@ def _fetch_model(config: Config) -> ModelSource:
     return source
 
 
-def _prepare_inputs(config: Config) -> None:
-    """The embedded demo when neither a model nor data is given; absolute paths for the workers."""
-    if not config.model.path and not config.data.train_files:
+def _prepare_inputs(config: Config) -> bool:
+    """The embedded demo when neither a model nor data is given (returns True); absolute paths for the
+    workers."""
+    demo = not config.model.path and not config.data.train_files
+    if demo:
         from yatt_ray.tasks.demo import prepare_demo
 
         prepare_demo(config)
@@ -265,10 +267,12 @@ def _prepare_inputs(config: Config) -> None:
         config.model.path = str(Path(config.model.path).expanduser().resolve())
     if config.critic.path and "://" not in config.critic.path:
         config.critic.path = str(Path(config.critic.path).expanduser().resolve())
+    return demo
 
 
-def _check_inputs(config: Config) -> dict[str, list[str]]:
-    """Fail before any cluster work on a bad model directory or data files."""
+def _check_inputs(config: Config, demo: bool = False) -> dict[str, list[str]]:
+    """Fail before any cluster work on a bad model directory or data files; for your own model and data (not
+    the `demo`), warn about the demo's sizes and check the prompt budget (`prompt_budget`)."""
     from yatt_ray.data import check_sources
     from yatt_ray.data.sources import first_row
     from yatt_ray.model_dir import is_vision_model
@@ -310,6 +314,12 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
             f"max_position_embeddings ({shape.max_positions}); lower one of them"
         )
     files = {"train": check_sources(config.data, min_rows=config.train.prompts_per_step, images=images)}
+    if not demo:
+        from yatt_ray.prompt_budget import check_prompt_budget
+
+        for warning in demo_sizes(config):
+            log.warning("%s", warning)
+        log.info("%s", check_prompt_budget(config.data, files["train"], config.model.path))
     if config.reward.mode != "genrm" or config.reward.genrm.on_parse_error == "rule":  # the rule is used
         _, truth, source = first_row(config.data, files["train"])
         fn = resolve_reward_fn(config.reward.function)
@@ -317,6 +327,30 @@ def _check_inputs(config: Config) -> dict[str, list[str]]:
     if config.data.eval_files:
         files["eval"] = check_sources(config.data, key="data.eval_files", images=images)
     return files
+
+
+# what suits the demo's tiny model learning addition, and no real model: key -> (the test, the demo's value)
+DEMO_SIZES = {
+    "data.max_prompt_tokens": (lambda v: v <= 64, 16),
+    "rollout.max_new_tokens": (lambda v: v <= 16, 6),
+    "train.lr": (lambda v: v >= 1e-4, 5e-4),
+}
+
+
+def demo_sizes(config: Config) -> list[str]:
+    """A line for each of `DEMO_SIZES` that your model and data run with at the demo's scale."""
+    out = []
+    for key, (demo_like, value) in DEMO_SIZES.items():
+        section, name = key.split(".")
+        have = getattr(getattr(config, section), name)
+        if demo_like(have):
+            out.append(
+                f"{key}={have:g} is sized for the demo's tiny model (the demo runs {value:g}), and model.path="
+                f"{config.model.path!r} is your own: set it for your task (e.g. data.max_prompt_tokens=512 "
+                "rollout.max_new_tokens=1024 train.lr=1e-6; the recipes in docs/recipes.md are sized for 7B "
+                "models)"
+            )
+    return out
 
 
 def unused_keys(config: Config, images: bool) -> list[str]:

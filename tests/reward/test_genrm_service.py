@@ -271,18 +271,22 @@ def test_a_replica_killed_mid_flight_costs_no_sample_and_scores_none_twice(two_r
     before = replica_names()
     assert len(before) == 2
     victim = ray.get_actor(sorted(before)[0], namespace="serve")
-    # 3 x max_ongoing_requests (4 x batch_size = 128): each replica holds 128 requests, 128 wait at the router
+    # 6 x max_ongoing_requests (4 x batch_size = 128): each replica holds 128 requests, 512 wait at the router
     client = GenRMClient(timeout_s=60, max_retries=3, connect_timeout_s=60)
-    batch = requests(384, seed=2, prefix="k")
+    batch = requests(768, seed=2, prefix="k")
     client.submit(batch)
     killed_at: list[float] = []
 
     def kill_once_judging() -> None:
-        """Once the victim has accepted more requests than one batch holds (the count Serve's router asks
-        replicas for), so some are still unanswered when it dies."""
+        """Once verdicts come back and the victim holds at least three batches of requests (the count Serve's
+        router asks replicas for): some of them were accepted long before, and are still unanswered when it
+        dies. (A request not yet accepted when its replica dies is sent elsewhere by Serve, unseen by the
+        client; one accepted fails with ActorDiedError, and the client sends it again.)"""
         deadline = time.time() + 60
-        while time.time() < deadline and ray.get(victim.get_num_ongoing_requests.remote()) <= 32:
-            time.sleep(0.02)
+        while time.time() < deadline and len(client.pending) == len(batch):
+            time.sleep(0.01)
+        while time.time() < deadline and ray.get(victim.get_num_ongoing_requests.remote()) < 96:
+            time.sleep(0.01)
         ray.kill(victim)
         killed_at.append(time.time())
 
