@@ -440,7 +440,9 @@ class OutputConfig(_Section):
     """
 
     # each run writes a fresh timestamped folder under it: config.yaml, metrics.jsonl, TensorBoard events,
-    # plots, startup.json, and checkpoints (checkpoint.dir empty)
+    # plots, startup.json, the final policy (final_hf), and checkpoints (checkpoint.dir empty). A local path or
+    # an fsspec URL (s3://bucket/runs): then the driver writes a local mirror ($YATT_RAY_RUN_CACHE, default
+    # ~/.cache/yatt_ray/runs), uploaded when the run ends, and the checkpoints go to the URL directly
     dir: str = "runs/grpo"
     # the run's folder inside dir: "" = a fresh timestamped one per run; a name (letters, digits, . _ -) =
     # <dir>/<name>, which the same command with the same name finds again: it continues from the folder's
@@ -881,10 +883,6 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # one folder name: no s
 def _output_errors(o: OutputConfig) -> list[str]:
     """The `output` section's problems, each naming the key, the value and the fix."""
     return _failed([
-        ("://" not in o.dir,
-         f"output.dir={o.dir!r}: the run folder (metrics, TensorBoard, plots, config.yaml) is written by the "
-         "driver and must be a local path for now; put checkpoints (and with them the final policy) on remote "
-         "storage with checkpoint.dir=<url>, e.g. checkpoint.dir=s3://bucket/checkpoints/run"),
         (not o.name or bool(RUN_NAME.match(o.name)),
          f"output.name={o.name!r} must be one folder name (letters, digits, '.', '_', '-'; not starting with "
          "'.' or '-'), e.g. output.name=qwen7b-gsm8k; it names the run's folder inside output.dir"),

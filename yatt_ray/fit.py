@@ -22,7 +22,16 @@ from yatt_ray.cluster import connect
 from yatt_ray.config import Config, apply_override, load_config, validate
 from yatt_ray.errors import ConfigError, WorkerError, YattError
 from yatt_ray.model_source import ModelSource, fetch, fetch_on_every_node, model_source
-from yatt_ray.shared_storage import check_shared, cloud_env, report_url, train_storage
+from yatt_ray.shared_storage import (
+    check_shared,
+    cloud_env,
+    fetch_tree,
+    keep_earlier_metrics,
+    report_url,
+    run_mirror,
+    train_storage,
+    upload_tree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +168,16 @@ def fit(config: Config | dict | str | Path | None = None, overrides: list[str] |
     demo = _prepare_inputs(config)
     files = _check_inputs(config, demo)
     _check_local_placement(config)  # a local cluster's plan: refused before Ray starts and before a folder
-    output_dir = _output_dir(config)
+    output_dir, remote = _output_dir(config)
     try:
         return _start(config, files, output_dir, startup, source)
     except BaseException:
         _remove_if_empty(output_dir)  # a run refused before it wrote anything leaves no empty folder behind
         raise
+    finally:
+        if remote and output_dir.exists():  # output.dir a URL: the run folder goes there, failed runs too
+            upload_tree(output_dir, remote, config.checkpoint.storage_options)
+            log.info("run folder %s uploaded to %s", output_dir, remote)
 
 
 def _start(config: Config, files: dict[str, list[str]], output_dir: Path, startup, source) -> Result:
@@ -701,9 +714,17 @@ def _follow(
     if "error" in outcome:
         raise _worker_error(outcome["error"]) from outcome["error"]
     checkpoint = outcome["result"].checkpoint if "result" in outcome else None
+    final = None
+    if (
+        checkpoint is not None
+    ):  # the final policy (and critic) in the run folder, where the next command looks
+        url = report_url(checkpoint.path, config.checkpoint.dir)
+        final = fetch_tree(f"{url}/policy_hf", Path(output_dir) / FINAL_HF, config.checkpoint.storage_options)
+        if config.critic.enable:
+            fetch_tree(f"{url}/critic", Path(output_dir) / "final_critic", config.checkpoint.storage_options)
     return Result(
         history=progress.history,
-        checkpoint_path=checkpoint and report_url(f"{checkpoint.path}/policy_hf", config.checkpoint.dir),
+        checkpoint_path=final,
         output_dir=str(output_dir),
         checkpoint_dir=config.checkpoint.dir,
         steps_redone=redone,
@@ -714,6 +735,9 @@ def _follow(
 
 
 TRAIN_POLL_S = 0.5
+# the final policy in the run folder: a Hugging Face directory (sharded past 5 GB); a critic beside it in
+# final_critic (a LlamaForTokenClassification directory)
+FINAL_HF = "final_hf"
 
 
 def _start_engines(config: Config, plan):
@@ -902,23 +926,36 @@ def _remove_if_empty(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _output_dir(config: Config) -> Path:
+def _output_dir(config: Config) -> tuple[Path, str | None]:
     """The run's folder under `output.dir`: a fresh timestamped one per run (runs never mix their metrics or
     checkpoints), or `<output.dir>/<output.name>`, found again by the next run of that name. There the earlier
     run's metrics.jsonl is kept as metrics-<stamp>.jsonl (the new file holds the whole curve again: a run
-    resumed from a checkpoint starts with the checkpoint's history)."""
-    root = Path(config.output.dir).expanduser().resolve()
+    resumed from a checkpoint starts with the checkpoint's history). Returns (the local folder, None).
+
+    With output.dir an fsspec URL the run folder is `<output.dir>/<output.name or stamp>` there: the driver
+    writes a local mirror of it (`run_mirror`), uploaded when the run ends, and the checkpoints (by default in
+    `<run folder>/checkpoints`) go to the URL directly. Returns (the mirror, the run folder's URL)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if "://" in config.output.dir:
+        remote = f"{config.output.dir.rstrip('/')}/{config.output.name or stamp}"
+        local = run_mirror(remote)
+        local.mkdir(parents=True, exist_ok=True)
+        (local / "metrics.jsonl").unlink(missing_ok=True)  # the run folder's own copy is kept aside instead
+        keep_earlier_metrics(remote, stamp, config.checkpoint.storage_options)
+        if not config.checkpoint.dir:
+            config.checkpoint.dir = f"{remote}/checkpoints"
+        return local, remote
+    root = Path(config.output.dir).expanduser().resolve()
     if config.output.name:
         path = root / config.output.name
         path.mkdir(parents=True, exist_ok=True)
         earlier = path / "metrics.jsonl"
         if earlier.exists():
             earlier.rename(_free_name(path, f"metrics-{stamp}", ".jsonl"))
-        return path
+        return path, None
     path = _free_name(root, stamp, "")
     path.mkdir(parents=True)
-    return path
+    return path, None
 
 
 def _free_name(folder: Path, stem: str, suffix: str) -> Path:

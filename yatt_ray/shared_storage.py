@@ -11,6 +11,7 @@ and a task on every node reads it back.
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,59 @@ def _read_marks(marks: dict[str, str], token: str) -> dict[str, bool]:
         except OSError:
             out[what] = False
     return out
+
+
+def fetch_tree(url: str, target: str | Path, storage_options: dict | None = None) -> str:
+    """Copy the folder `url` (a local path or an fsspec URL) to the local folder `target`, replacing what was
+    there (a continued run's newer final policy over the earlier one); a local file is hard-linked where the two
+    folders share a filesystem (no second copy of a 7B policy's 15 GB). Returns `target`."""
+    import shutil
+
+    import fsspec
+
+    out = Path(target)
+    if out.exists():
+        shutil.rmtree(out)
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    root = root.rstrip("/")
+    for path in fs.find(root):
+        dest = out / path[len(root) + 1 :]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if "://" in url:
+            fs.get_file(path, str(dest))
+            continue
+        try:
+            os.link(path, dest)
+        except OSError:  # another filesystem
+            shutil.copy2(path, dest)
+    return str(out)
+
+
+def run_mirror(url: str) -> Path:
+    """The local folder the driver writes for the run folder `url` (output.dir an fsspec URL), uploaded there
+    by `upload_tree`: `$YATT_RAY_RUN_CACHE` (default ~/.cache/yatt_ray/runs) / <scheme> / <the URL's path>."""
+    scheme, rest = url.split("://", 1)
+    root = Path(os.environ.get("YATT_RAY_RUN_CACHE") or Path.home() / ".cache/yatt_ray/runs")
+    return root / scheme / rest.strip("/")
+
+
+def upload_tree(local: str | Path, url: str, storage_options: dict | None = None) -> int:
+    """Put every file under the local folder `local` at the same place under `url` (what is there already is
+    overwritten; nothing is deleted). Returns the number of files."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    files = [p for p in Path(local).rglob("*") if p.is_file()]
+    for path in files:
+        fs.put_file(str(path), f"{root.rstrip('/')}/{path.relative_to(local).as_posix()}")
+    return len(files)
+
+
+def keep_earlier_metrics(url: str, stamp: str, storage_options: dict | None = None) -> None:
+    """A named run folder at `url` continued: its metrics.jsonl moved aside as metrics-<stamp>.jsonl."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    earlier = f"{root.rstrip('/')}/metrics.jsonl"
+    if fs.exists(earlier):
+        fs.mv(earlier, f"{root.rstrip('/')}/metrics-{stamp}.jsonl")

@@ -256,9 +256,11 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
     indexing its 12 rows from 0 in extra_info.index. 2 steps, then a new run resumes to 5 (one worker, 8
     prompts a step: epoch 0 is steps 1-3): each of the 24 prompts of epoch 0 is trained exactly once. Keyed by
     index alone, the resume marked the other file's rows consumed (lost) and a step holding one index twice
-    was not recorded (repeated). The checkpoints live on S3 (moto on 127.0.0.1): saves, the HF export and the
-    resume all go through fsspec. The model comes from S3 too (model.path=s3://...), reached with the standard
-    AWS_* variables only: fetched once per node into the model cache."""
+    was not recorded (repeated). The run folder is on S3 (moto on 127.0.0.1: output.dir=s3://... with
+    output.name), and with it the checkpoints: saves, the HF export and the resume all go through fsspec, and
+    the second run is the same command again (train.steps raised), which finds the run by its name. The model
+    comes from S3 too (model.path=s3://...), reached with the standard AWS_* variables only: fetched once per
+    node into the model cache."""
     import uuid
 
     import pyarrow as pa
@@ -281,11 +283,13 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
         (tmp_path / name).mkdir()
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / name / "train.parquet")
         files.append(str(tmp_path / name / "train.parquet"))
-    url = f"s3://ckpt/{uuid.uuid4().hex}/run"
+    runs = f"s3://ckpt/{uuid.uuid4().hex}/runs"
+    url = f"{runs}/verl/checkpoints"  # checkpoint.dir's default inside the run folder
     model = f"s3://ckpt/{uuid.uuid4().hex}/models/demo"
     for key, value in {"AWS_ENDPOINT_URL": s3_options["endpoint_url"], "AWS_ACCESS_KEY_ID": s3_options["key"],
                        "AWS_SECRET_ACCESS_KEY": s3_options["secret"], "AWS_DEFAULT_REGION": "us-east-1",
-                       "YATT_RAY_MODEL_CACHE": str(tmp_path / "model_cache")}.items():  # fmt: skip
+                       "YATT_RAY_MODEL_CACHE": str(tmp_path / "model_cache"),
+                       "YATT_RAY_RUN_CACHE": str(tmp_path / "run_cache")}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     CheckpointStore(url, storage_options=s3_options).fs.put(
         prepare_demo(Config()).model.path + "/", model.removeprefix("s3://"), recursive=True
@@ -293,14 +297,15 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
     verl = (
         f"model.path={model}",
         f"data.train_files=[{files[0]},{files[1]}]", "data.answer_key=reward_model.ground_truth",
-        "data.id_key=extra_info.index", "train.dp_size=1", HF,
+        "data.id_key=extra_info.index", "train.dp_size=1", HF, f"output.dir={runs}", "output.name=verl",
         *(f"checkpoint.storage_options.{k}={v}" for k, v in s3_options.items()),
     )  # fmt: skip
-    first = short_run(url, tmp_path, 2, "checkpoint.export_hf_steps=[2]", *verl)
+    first = short_run("", tmp_path, 2, "checkpoint.export_hf_steps=[2]", *verl)
     store = CheckpointStore(url, storage_options=s3_options)
     assert train_steps(first) == [1, 2] and store.list_committed() == [2]
     assert store.fs.exists(f"{store.root}/hf/step_00000002/model.safetensors")
-    result = short_run(url, tmp_path, 5, *verl)  # resumed mid-epoch
+    result = short_run("", tmp_path, 5, *verl)  # the same command, 5 steps: resumed mid-epoch
+    assert first.checkpoint_dir == result.checkpoint_dir == url
     assert result.metric("checkpoint/resumed_from") == [2.0] and train_steps(result) == [1, 2, 3, 4, 5]
     assert store.list_committed() == [2, 4, 5] and store.latest_valid().step == 5  # every 2 steps + the end
     cached = result.config.model.path  # the workers read the fetched copy, the same path on every node
@@ -309,9 +314,19 @@ def test_two_verl_files_that_index_alike_resume_each_prompt_once_from_s3(
         and Path(cached, ".yatt-complete").read_text() == model
     )
     # Ray Train's final report (the policy as a HF directory) goes beside the checkpoints, where every node
-    # reaches it, not to the driver's disk
-    assert result.checkpoint_path.startswith(f"{url}/ray/train-"), result.checkpoint_path
-    assert store.fs.exists(result.checkpoint_path.removeprefix("s3://") + "/model.safetensors")
+    # reaches it, not to the driver's disk; the driver then fetches it into the run folder
+    reported = sorted(
+        store.fs.glob(f"{url.removeprefix('s3://')}/ray/train-*/**/policy_hf/model.safetensors")
+    )
+    assert len(reported) == 2, reported  # each run's report (Ray Train runs named train-<date-time>)
+    assert result.checkpoint_path == str(Path(result.output_dir) / "final_hf")
+    assert Path(result.checkpoint_path, "model.safetensors").read_bytes() == store.fs.cat(reported[-1])
+    # the run folder (metrics, config, the final policy) uploaded beside its checkpoints; the first curve kept
+    folder = f"{runs.removeprefix('s3://')}/verl"
+    curve = [json.loads(line) for line in store.fs.cat(f"{folder}/metrics.jsonl").splitlines()]
+    assert [int(r["step"]) for r in curve if "reward_mean" in r] == [1, 2, 3, 4, 5]
+    assert len(store.fs.glob(f"{folder}/metrics-*.jsonl")) == 1 and store.fs.exists(f"{folder}/config.yaml")
+    assert store.fs.cat(f"{folder}/final_hf/model.safetensors") == store.fs.cat(reported[-1])
     audit = prompt_audit(url, storage_options=s3_options)
     assert audit.steps == 5 and audit.prompts == 5 * PROMPTS, audit
     assert audit.duplicated == 0 and audit.lost == 0 and audit.forgotten == 0, audit

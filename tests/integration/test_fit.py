@@ -122,6 +122,7 @@ def test_final_checkpoint_is_a_hf_directory(run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     result, _ = run
+    assert result.checkpoint_path == str(Path(result.output_dir) / "final_hf")  # in the run folder
     model = AutoModelForCausalLM.from_pretrained(result.checkpoint_path)
     tokenizer = AutoTokenizer.from_pretrained(result.checkpoint_path)
     assert model.config.num_hidden_layers == 2 and tokenizer("1+2=")["input_ids"][0] == tokenizer.bos_token_id

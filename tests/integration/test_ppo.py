@@ -42,7 +42,7 @@ def test_critic_warms_up_then_both_train(ppo_result):
 def test_critic_is_saved_with_the_policy(ppo_result):
     from transformers import AutoModelForTokenClassification
 
-    critic_dir = Path(ppo_result.checkpoint_path).parent / "critic"
+    critic_dir = Path(ppo_result.output_dir) / "final_critic"  # beside final_hf in the run folder
     critic = AutoModelForTokenClassification.from_pretrained(critic_dir)
     assert critic.config.num_labels == 1
 

@@ -185,3 +185,23 @@ def test_save_hf_and_buckets(tiny_model_dir, tmp_path):
         size = sum(t.numel() * t.element_size() for _, t in b)
         assert size <= 40_000 or len(b) == 1
     assert len(buckets) > 1
+
+
+def test_a_large_export_is_sharded_and_loads_whole(tiny_model_dir, tmp_path):
+    """Past `shard_bytes` the export is model-0000i-of-0000n.safetensors + the index (what from_pretrained
+    and the library's own reader follow); a later export into the folder leaves no stale shard behind."""
+    from transformers import AutoModelForCausalLM
+
+    from yatt_ray.train.model import read_hf_state_dict
+    from yatt_ray.train.trainer_base import write_hf_dir
+
+    sd = policy(tiny_model_dir).hf_state_dict()
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    out = write_hf_dir(tiny_model_dir, tmp_path / "export", sd, shard_bytes=total // 3)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) >= 3 and (out / "model.safetensors.index.json").is_file(), shards
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+    assert read_hf_state_dict(out).keys() == sd.keys()
+    write_hf_dir(tiny_model_dir, out, sd)  # one file again
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]

@@ -376,15 +376,24 @@ def _wrap_ddp(model: torch.nn.Module, distributed_optimizer: bool):
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
+SHARD_BYTES = 5 * 10**9  # the largest weights file of an export: Hugging Face's own default shard size
+
+
 def write_hf_dir(
-    source_dir: Path, out_dir: str | Path, state_dict: StateDict, config_update: dict | None = None
+    source_dir: Path,
+    out_dir: str | Path,
+    state_dict: StateDict,
+    config_update: dict | None = None,
+    shard_bytes: int = SHARD_BYTES,
 ) -> Path:
-    """Write a HF directory: `source_dir`'s non-weight files (config, tokenizer, ...) + model.safetensors.
+    """Write a HF directory: `source_dir`'s non-weight files (config, tokenizer, ...) + the weights, one
+    model.safetensors up to `shard_bytes`, past it model-0000i-of-0000n.safetensors shards of at most that size
+    each and model.safetensors.index.json (what `save_pretrained` writes: a 7B policy in bf16 is 3 shards).
 
     `config_update` entries are merged into the copied config.json; so is the weights' dtype ("dtype", and
     "torch_dtype" where the config has that older key) when every floating tensor has the same one.
     """
-    from safetensors.torch import save_file
+    from huggingface_hub import save_torch_state_dict
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -400,5 +409,7 @@ def write_hf_dir(
         config.update({key: name for key in ("dtype", "torch_dtype") if key == "dtype" or key in config})
     config.update(config_update or {})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for old in out.glob("model*.safetensors*"):  # an export over an earlier one: no stale shard left behind
+        old.unlink()
+    save_torch_state_dict(state_dict, out, max_shard_size=shard_bytes, metadata={"format": "pt"})
     return out
