@@ -305,3 +305,103 @@ def test_a_local_path_the_nodes_do_not_share_is_refused_before_any_work(demo_cac
     assert "s3://" in refused  # the fix
     assert "checkpoint.dir=" in out.get("fit_refused", ""), out
     assert out["marks_left"] == [] and out["run_folders"] == [], out  # refused before it wrote anything
+
+
+TWO_NODES_ON_S3 = """
+    import json, os, signal, subprocess, sys, time
+    from pathlib import Path
+
+    import fsspec
+    import ray
+
+    import yatt_ray
+    from yatt_ray.config import Config
+    from yatt_ray.tasks.demo import prepare_demo
+    from yatt_ray.testing.drills import committed_steps, prompt_audit, when
+
+    endpoint, bucket = sys.argv[1], sys.argv[2]
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")  # the standard variables only, in every process
+    root = Path(os.environ["RAY_TMPDIR"])
+    os.environ["YATT_RAY_RUN_CACHE"] = str(root / "run_cache")
+    demo = prepare_demo(Config())
+    s3 = fsspec.filesystem("s3")
+    s3.put(demo.model.path + "/", f"{bucket}/models/demo", recursive=True)
+    s3.put_file(demo.data.train_files[0], f"{bucket}/data/train.parquet")
+    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
+    gcs = ray.get_runtime_context().gcs_address
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    # a second node with a disk of its own (a private tmpfs over node_local): the run lives on S3 alone
+    (root / "node_local").mkdir()
+    node = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs none {root / 'node_local'} && exec {ray_cli} start --address={gcs} --num-cpus=2 --block"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    ckpt = f"s3://{bucket}/runs/two/checkpoints"
+    command = ["examples/configs/grpo.yaml", [
+        f"model.path=s3://{bucket}/models/demo", f"data.train_files=[s3://{bucket}/data/train.parquet]",
+        "data.eval_files=[]", "train.prompts_per_step=8", "rollout.n=2", "rollout.engine=hf",
+        "train.dp_size=2", "cluster.cpus_per_worker=1", "cluster.placement_strategy=SPREAD",
+        f"output.dir=s3://{bucket}/runs", "output.name=two", "output.progress=false",
+        "output.tensorboard=false", "output.plot=false", "checkpoint.every_steps=2",
+        "checkpoint.log_prompt_ids=true"]]
+    out = {}
+    try:
+        deadline = time.time() + 120
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            assert time.time() < deadline and node.poll() is None, "the second node did not join"
+            time.sleep(0.5)
+        killed = []
+
+        def kill_a_worker():  # the newest training worker: by pid order, the one the second node started last
+            pids = subprocess.run(["pgrep", "-f", "ray::RayTrainWorker"], capture_output=True, text=True)
+            pid = max(int(p) for p in pids.stdout.split())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(committed_steps(ckpt))
+
+        when(lambda: bool(committed_steps(ckpt)), kill_a_worker)
+        first = yatt_ray.fit(yatt_ray.load_config(command[0], [*command[1], "train.steps=4"]))
+        again = yatt_ray.fit(yatt_ray.load_config(command[0], [*command[1], "train.steps=6"]))
+        audit = prompt_audit(ckpt)
+        out.update(
+            killed=killed, first_resumed=first.metric("checkpoint/resumed_from"),
+            again_resumed=again.metric("checkpoint/resumed_from"),
+            steps=[int(r["step"]) for r in again.history if "reward_mean" in r],
+            committed=committed_steps(ckpt), audit=audit.__dict__, checkpoint_dir=again.checkpoint_dir,
+            nodes=len([n for n in ray.nodes() if n["Alive"]]),
+            uploaded=sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{bucket}/runs/two")),
+            final=(Path(again.checkpoint_path) / "model.safetensors").is_file(),
+        )  # fmt: skip
+    finally:
+        ray.shutdown()
+        os.killpg(node.pid, signal.SIGTERM)
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    not _can_unshare_mounts(), reason="needs `unshare --mount` (root) for a node of its own disk"
+)
+def test_two_nodes_on_s3_lose_a_worker_and_a_second_command_continues(demo_cache, s3_options):
+    """Two nodes that share no disk (the second in a mount namespace of its own), everything on a local S3
+    server (model, data, checkpoints, the run folder): a training worker is killed after the first commit and
+    the run resumes from it; then the same command with the same output.name and more steps continues the run.
+    Each prompt trained once over the whole (nothing lost, nothing repeated)."""
+    import uuid
+
+    bucket = f"ckpt/{uuid.uuid4().hex}"
+    out = _run_isolated(TWO_NODES_ON_S3, [s3_options["endpoint_url"], bucket], timeout_s=600)
+    assert out["killed"] and out["killed"][0], out  # killed once a checkpoint was committed
+    assert len(out["first_resumed"]) == 1 and out["first_resumed"][0] >= min(out["killed"][0]), out
+    assert out["again_resumed"] == [4.0] and out["steps"] == [1, 2, 3, 4, 5, 6], out
+    assert out["committed"][-1] == 6 and out["checkpoint_dir"].startswith("s3://"), out
+    audit = out["audit"]
+    assert audit["steps"] == 6 and audit["prompts"] == 6 * 8, audit
+    assert audit["duplicated"] == 0 and audit["lost"] == 0 and audit["forgotten"] == 0, audit
+    assert {"config.yaml", "metrics.jsonl", "final_hf", "checkpoints"} <= set(out["uploaded"]), out
+    assert out["final"] and out["nodes"] == 2, out
