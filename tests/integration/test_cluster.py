@@ -226,20 +226,32 @@ def test_placement_strategy_is_checked():
     assert yatt_ray.load_config(None).cluster.placement_strategy == "PACK"
 
 
-SHARED_PATHS = """
+TWO_NODES = """
     import json, os, signal, subprocess, sys, time
     from pathlib import Path
 
+    import fsspec
     import ray
 
     import yatt_ray
+    from yatt_ray.config import Config
     from yatt_ray.errors import ConfigError
     from yatt_ray.shared_storage import check_shared
+    from yatt_ray.tasks.demo import prepare_demo
+    from yatt_ray.testing.drills import committed_steps, prompt_audit, when
 
+    endpoint, bucket = sys.argv[1], sys.argv[2]
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")  # the standard variables only, in every process
     root = Path(os.environ["RAY_TMPDIR"])
+    os.environ["YATT_RAY_RUN_CACHE"] = str(root / "run_cache")
     private, shared = root / "node_local", root / "shared"
     private.mkdir()
     shared.mkdir()
+    demo = prepare_demo(Config())
+    s3 = fsspec.filesystem("s3")
+    s3.put(demo.model.path + "/", f"{bucket}/models/demo", recursive=True)
+    s3.put_file(demo.data.train_files[0], f"{bucket}/data/train.parquet")
     ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
     gcs = ray.get_runtime_context().gcs_address
     ray_cli = str(Path(sys.executable).with_name("ray"))
@@ -256,6 +268,7 @@ SHARED_PATHS = """
         while len([n for n in ray.nodes() if n["Alive"]]) < 2:
             assert time.time() < deadline and node.poll() is None, "the second node did not join"
             time.sleep(0.5)
+        # (a) a node-local path: refused by the check and by fit() before any work; a shared one passes
         out["shared"] = check_shared({"checkpoint.dir": str(shared)}, 120)
         try:
             check_shared({"checkpoint.dir": str(private)}, 120)
@@ -265,14 +278,40 @@ SHARED_PATHS = """
             "examples/configs/grpo.yaml",
             [f"output.dir={root / 'runs'}", "output.progress=false", f"checkpoint.dir={private / 'ckpt'}"],
         )
-        started = time.time()
         try:
             yatt_ray.fit(config)
         except ConfigError as e:
             out["fit_refused"] = str(e)
-        out["fit_s"] = time.time() - started
         out["marks_left"] = [p.name for p in root.rglob(".yatt-shared-*")]
         out["run_folders"] = [p.name for p in (root / "runs").iterdir()] if (root / "runs").exists() else []
+        # (b) everything on S3: a worker killed after the first commit, then the same command continues
+        ckpt = f"s3://{bucket}/runs/two/checkpoints"
+        command = [
+            f"model.path=s3://{bucket}/models/demo", f"data.train_files=[s3://{bucket}/data/train.parquet]",
+            "data.eval_files=[]", "train.prompts_per_step=8", "rollout.n=2", "rollout.engine=hf",
+            "train.dp_size=2", "cluster.cpus_per_worker=1", "cluster.placement_strategy=SPREAD",
+            f"output.dir=s3://{bucket}/runs", "output.name=two", "output.progress=false",
+            "output.tensorboard=false", "output.plot=false", "checkpoint.every_steps=2",
+            "checkpoint.log_prompt_ids=true"]
+        killed = []
+
+        def kill_a_worker():  # the newest training worker process, by pid
+            pids = subprocess.run(["pgrep", "-f", "ray::RayTrainWorker"], capture_output=True, text=True)
+            os.kill(max(int(p) for p in pids.stdout.split()), signal.SIGKILL)
+            killed.append(committed_steps(ckpt))
+
+        when(lambda: bool(committed_steps(ckpt)), kill_a_worker)
+        first = yatt_ray.fit(yatt_ray.load_config("examples/configs/grpo.yaml", [*command, "train.steps=4"]))
+        again = yatt_ray.fit(yatt_ray.load_config("examples/configs/grpo.yaml", [*command, "train.steps=6"]))
+        out.update(
+            killed=killed, first_resumed=first.metric("checkpoint/resumed_from"),
+            again_resumed=again.metric("checkpoint/resumed_from"),
+            steps=[int(r["step"]) for r in again.history if "reward_mean" in r],
+            committed=committed_steps(ckpt), audit=prompt_audit(ckpt).__dict__, checkpoint_dir=again.checkpoint_dir,
+            uploaded=sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{bucket}/runs/two")),
+            final=(Path(again.checkpoint_path) / "model.safetensors").is_file(),
+            nodes=len([n for n in ray.nodes() if n["Alive"]]),
+        )  # fmt: skip
     finally:
         ray.shutdown()
         os.killpg(node.pid, signal.SIGTERM)
@@ -294,108 +333,24 @@ def _can_unshare_mounts() -> bool:
 @pytest.mark.skipif(
     not _can_unshare_mounts(), reason="needs `unshare --mount` (root) for a node of its own disk"
 )
-def test_a_local_path_the_nodes_do_not_share_is_refused_before_any_work(demo_cache):
-    """Two nodes on one machine, the second with a folder of its own where the first has `node_local`: a
-    checkpoint.dir there is refused naming the key, the path, the node and the fix, by the check and by
-    fit() before any training worker starts; a folder both see passes; no marker is left behind."""
-    out = _run_isolated(SHARED_PATHS, [], timeout_s=300)
+def test_two_nodes_that_share_no_disk(demo_cache, s3_options):
+    """Two nodes on one machine, the second with a folder of its own where the first has `node_local`.
+    (a) A checkpoint.dir there is refused naming the key, the path, the node and the fix, by the check and by
+    fit() before any training worker starts; a folder both see passes; no marker is left behind.
+    (b) Everything on a local S3 server (model, data, checkpoints, the run folder): a training worker is
+    killed after the first commit and the run resumes from it; then the same command with the same
+    output.name and more steps continues the run; each prompt trained once over the whole (nothing lost,
+    nothing repeated)."""
+    import uuid
+
+    bucket = f"ckpt/{uuid.uuid4().hex}"
+    out = _run_isolated(TWO_NODES, [s3_options["endpoint_url"], bucket], timeout_s=700)
     assert out["shared"] and "shared by the 2 nodes" in out["shared"], out
     refused = out.get("refused", "")
     assert "checkpoint.dir=" in refused and "node_local" in refused and "not seen from" in refused, out
     assert "s3://" in refused  # the fix
     assert "checkpoint.dir=" in out.get("fit_refused", ""), out
     assert out["marks_left"] == [] and out["run_folders"] == [], out  # refused before it wrote anything
-
-
-TWO_NODES_ON_S3 = """
-    import json, os, signal, subprocess, sys, time
-    from pathlib import Path
-
-    import fsspec
-    import ray
-
-    import yatt_ray
-    from yatt_ray.config import Config
-    from yatt_ray.tasks.demo import prepare_demo
-    from yatt_ray.testing.drills import committed_steps, prompt_audit, when
-
-    endpoint, bucket = sys.argv[1], sys.argv[2]
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1")  # the standard variables only, in every process
-    root = Path(os.environ["RAY_TMPDIR"])
-    os.environ["YATT_RAY_RUN_CACHE"] = str(root / "run_cache")
-    demo = prepare_demo(Config())
-    s3 = fsspec.filesystem("s3")
-    s3.put(demo.model.path + "/", f"{bucket}/models/demo", recursive=True)
-    s3.put_file(demo.data.train_files[0], f"{bucket}/data/train.parquet")
-    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
-    gcs = ray.get_runtime_context().gcs_address
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    # a second node with a disk of its own (a private tmpfs over node_local): the run lives on S3 alone
-    (root / "node_local").mkdir()
-    node = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs none {root / 'node_local'} && exec {ray_cli} start --address={gcs} --num-cpus=2 --block"],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    ckpt = f"s3://{bucket}/runs/two/checkpoints"
-    command = ["examples/configs/grpo.yaml", [
-        f"model.path=s3://{bucket}/models/demo", f"data.train_files=[s3://{bucket}/data/train.parquet]",
-        "data.eval_files=[]", "train.prompts_per_step=8", "rollout.n=2", "rollout.engine=hf",
-        "train.dp_size=2", "cluster.cpus_per_worker=1", "cluster.placement_strategy=SPREAD",
-        f"output.dir=s3://{bucket}/runs", "output.name=two", "output.progress=false",
-        "output.tensorboard=false", "output.plot=false", "checkpoint.every_steps=2",
-        "checkpoint.log_prompt_ids=true"]]
-    out = {}
-    try:
-        deadline = time.time() + 120
-        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
-            assert time.time() < deadline and node.poll() is None, "the second node did not join"
-            time.sleep(0.5)
-        killed = []
-
-        def kill_a_worker():  # the newest training worker: by pid order, the one the second node started last
-            pids = subprocess.run(["pgrep", "-f", "ray::RayTrainWorker"], capture_output=True, text=True)
-            pid = max(int(p) for p in pids.stdout.split())
-            os.kill(pid, signal.SIGKILL)
-            killed.append(committed_steps(ckpt))
-
-        when(lambda: bool(committed_steps(ckpt)), kill_a_worker)
-        first = yatt_ray.fit(yatt_ray.load_config(command[0], [*command[1], "train.steps=4"]))
-        again = yatt_ray.fit(yatt_ray.load_config(command[0], [*command[1], "train.steps=6"]))
-        audit = prompt_audit(ckpt)
-        out.update(
-            killed=killed, first_resumed=first.metric("checkpoint/resumed_from"),
-            again_resumed=again.metric("checkpoint/resumed_from"),
-            steps=[int(r["step"]) for r in again.history if "reward_mean" in r],
-            committed=committed_steps(ckpt), audit=audit.__dict__, checkpoint_dir=again.checkpoint_dir,
-            nodes=len([n for n in ray.nodes() if n["Alive"]]),
-            uploaded=sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{bucket}/runs/two")),
-            final=(Path(again.checkpoint_path) / "model.safetensors").is_file(),
-        )  # fmt: skip
-    finally:
-        ray.shutdown()
-        os.killpg(node.pid, signal.SIGTERM)
-        try:
-            node.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(node.pid, signal.SIGKILL)
-    print(json.dumps(out))
-"""
-
-
-@pytest.mark.skipif(
-    not _can_unshare_mounts(), reason="needs `unshare --mount` (root) for a node of its own disk"
-)
-def test_two_nodes_on_s3_lose_a_worker_and_a_second_command_continues(demo_cache, s3_options):
-    """Two nodes that share no disk (the second in a mount namespace of its own), everything on a local S3
-    server (model, data, checkpoints, the run folder): a training worker is killed after the first commit and
-    the run resumes from it; then the same command with the same output.name and more steps continues the run.
-    Each prompt trained once over the whole (nothing lost, nothing repeated)."""
-    import uuid
-
-    bucket = f"ckpt/{uuid.uuid4().hex}"
-    out = _run_isolated(TWO_NODES_ON_S3, [s3_options["endpoint_url"], bucket], timeout_s=600)
     assert out["killed"] and out["killed"][0], out  # killed once a checkpoint was committed
     assert len(out["first_resumed"]) == 1 and out["first_resumed"][0] >= min(out["killed"][0]), out
     assert out["again_resumed"] == [4.0] and out["steps"] == [1, 2, 3, 4, 5, 6], out
