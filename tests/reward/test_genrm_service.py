@@ -262,9 +262,9 @@ def replica_names() -> set[str]:
 
 
 def test_a_replica_killed_mid_flight_costs_no_sample_and_scores_none_twice(two_replicas):
-    """A replica killed while it judges: the requests it held fail (ActorDiedError), the client sends them
-    all again at once (not one by one as `collect` reaches them) and the surviving replica answers them; each
-    sample gets exactly one verdict, and Serve replaces the replica."""
+    """A replica killed while it judges: the requests it held fail (ActorDiedError) and the client sends them
+    all again at once, or Serve sends them elsewhere itself; the surviving replica answers them; each sample
+    gets exactly one verdict, and Serve replaces the replica."""
     import ray
 
     both_replicas()  # both up and answering (a replica an earlier test killed has been replaced)
@@ -296,7 +296,9 @@ def test_a_replica_killed_mid_flight_costs_no_sample_and_scores_none_twice(two_r
     done_at = time.time()
     killer.join()
     assert killed_at and killed_at[0] < done_at, "the replica died while the batch was being judged"
-    assert client.retries > 0, "requests in flight on the killed replica failed and were sent again"
+    # whether the victim's requests reach the client as failures (and are sent again: client.retries > 0) or
+    # are sent elsewhere by Serve itself depends on where each was when the replica died, so it is not asserted
+    # here; tests/unit/test_genrm_client_resend.py drives the client's resend path deterministically
     assert sorted(verdicts) == sorted(r.key for r in batch), "every sample scored exactly once"
     assert all(v.key == k for k, v in verdicts.items())
     agree = sum(v.score == float(k.endswith(":1")) for k, v in verdicts.items())
