@@ -85,11 +85,21 @@ def _owner(name: str, names: dict[str, str]) -> str | None:
     return name or None
 
 
+def parse(source: str, filename: str) -> ast.Module:
+    """`ast.parse`, once more after CPython 3.11's "AST constructor recursion depth mismatch" SystemError: its
+    parser's depth counter is shared by every thread, and a thread an earlier test left running (a client's
+    connection pool) can make one parse fail spuriously; the file itself parses."""
+    try:
+        return ast.parse(source, filename=filename)
+    except SystemError:
+        return ast.parse(source, filename=filename)
+
+
 def package_imports() -> list[Import]:
     names = module_paths()
     found = []
     for name, rel in names.items():
-        tree = ast.parse((PACKAGE / rel).read_text(), filename=rel)
+        tree = parse((PACKAGE / rel).read_text(), rel)
         package = name if rel.endswith("__init__.py") else name.rpartition(".")[0]
         for node, type_only in _imports_in(tree):
             targets = []
