@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.unit.test_imports import parse
+
 LIMIT = 60  # lines
 ALLOWED = 5  # functions over LIMIT in the whole package
 PACKAGE = Path(__file__).resolve().parents[2] / "yatt_ray"
@@ -19,7 +21,7 @@ def long_functions(root: Path = PACKAGE, limit: int = LIMIT) -> list[tuple[int, 
     """(lines, "path:line name") of every function or method longer than `limit` lines, longest first."""
     found = []
     for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        tree = parse(path.read_text(encoding="utf-8"), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 assert node.end_lineno is not None
