@@ -9,14 +9,14 @@ heads of 64, MLP 1408, q/k/v biases, vocabulary 8192, untied), fp32, one process
 `build_gpt_model`. The input is one group: a prompt of --prompt tokens and --samples responses of L tokens each
 (different tokens per sample, so only the prompt is shared), packed by `pack_shared_prefix` as the trainer packs
 a prompt's samples. One forward + backward of the library's loss shape: per-token log-probs and entropies of
-the targets (`token_logprobs_and_entropy`), a weighted sum, `backward()`.
+the targets (the trainer's `head_logprobs_and_entropy` from the hidden states), a weighted sum, `backward()`.
 
 The two paths:
   - dense (the trainer until this round): Megatron's unfused `DotProductAttention` over the packed rows'
     [G, 1, P, P] mask, the group split into sub-groups of at most max(2 T, 512) packed tokens (T = prompt + L,
     the padded width; the old cap), and log-probs through a float32 log_softmax over the whole [P, V] logits;
   - packed (now): `attention="packed"` (a fused causal kernel per [prompt; sample] sequence, no P x P tensor),
-    the whole group one packed row, chunked log-probs (no float32 [P, V] copy).
+    the whole group one packed row, log-probs in chunks from the hidden states (no [P, V] logits).
 
 Each (path, L) runs in a fresh process, after a small warm-up forward + backward. Peak memory is the peak
 resident set during the measured forward + backward less the resident set just before it (on a GPU,
@@ -73,17 +73,19 @@ def reference_logprobs(logits: torch.Tensor, targets: torch.Tensor):
 
 
 def one_pass(model, path: str, ids: torch.Tensor, mask: torch.Tensor) -> None:
-    from yatt_ray.train.logprobs import token_logprobs_and_entropy
-    from yatt_ray.train.model import forward_packed
+    from yatt_ray.train.logprobs import head_logprobs_and_entropy
+    from yatt_ray.train.model import forward_packed, hidden_state_output, output_weight
     from yatt_ray.train.packing import pack_shared_prefix
 
     cap = max(2 * ids.shape[1], 512) if path == "dense" else None
     packed = pack_shared_prefix(ids, mask, ids.shape[0], max_len=cap)
-    logits = forward_packed(model, packed)
     if path == "dense":
-        logp, entropy = reference_logprobs(logits, packed.targets)
+        logp, entropy = reference_logprobs(forward_packed(model, packed), packed.targets)
     else:
-        logp, entropy = token_logprobs_and_entropy(logits, packed.targets)
+        hidden_state_output(model)  # as the trainer's policy: hidden states out, no logits
+        logp, entropy = head_logprobs_and_entropy(
+            forward_packed(model, packed), output_weight(model), packed.targets
+        )
     real = (packed.segment >= 0).float()
     ((logp - 0.01 * entropy) * real).sum().backward()
 

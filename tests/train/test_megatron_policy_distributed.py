@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from train_helpers import make_batch, make_loss_fn
 
-from yatt_ray.train import MegatronPolicy, token_logprobs_and_entropy
+from yatt_ray.train import MegatronPolicy, head_logprobs_and_entropy
 
 LR = 1e-4  # Adam's first step is ~lr * sign(grad): near-zero grads make float noise ~1% of a step
 
@@ -44,15 +44,17 @@ def _grouped_passes(p: MegatronPolicy) -> dict:
 
 
 def _vocab_parallel_check(tp_group, rank: int, tp: int):
-    """Logp / entropy / grads w.r.t. this rank's vocab slice of fixed random logits."""
+    """Logp / entropy and the grads w.r.t. the hidden states and this rank's vocab slice of the output weight,
+    from fixed random hidden states and weight."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 6, 128, generator=g) * 3
+    hidden = torch.randn(2, 6, 16, generator=g).requires_grad_()
+    weight = torch.randn(128, 16, generator=g)
     targets = torch.randint(0, 128, (2, 6), generator=g)
     w1, w2 = torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)
-    shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_()
-    logp, entropy = token_logprobs_and_entropy(shard, targets, tp_group)
-    (grad,) = torch.autograd.grad((w1 * logp + w2 * entropy).sum(), shard)
-    return logp.detach(), entropy.detach(), grad
+    shard = weight.chunk(tp, dim=0)[rank].clone().requires_grad_()
+    logp, entropy = head_logprobs_and_entropy(hidden, shard, targets, tp_group)
+    grad_hidden, grad_shard = torch.autograd.grad((w1 * logp + w2 * entropy).sum(), (hidden, shard))
+    return logp.detach(), entropy.detach(), grad_shard, grad_hidden
 
 
 def tp2_worker(rank, world_size, model_dir, batch, tokens):
@@ -144,13 +146,14 @@ def test_tp2_packed_groups_equal_tp1(tp1, tp2):
 
 
 def test_vocab_parallel_logprobs_and_grads_tp2(tp1, tp2):
-    full_logp, full_entropy, full_grad = tp1["vp"]
+    full_logp, full_entropy, full_grad, full_grad_hidden = tp1["vp"]
     for r in range(2):
-        logp, entropy, _ = tp2[r]["vp"]
+        logp, entropy, _, grad_hidden = tp2[r]["vp"]
         torch.testing.assert_close(logp, full_logp, atol=1e-5, rtol=0)
         torch.testing.assert_close(entropy, full_entropy, atol=1e-5, rtol=0)
-    grad = torch.cat([tp2[0]["vp"][2], tp2[1]["vp"][2]], dim=-1)  # no factor tp: backward is identity
-    torch.testing.assert_close(grad, full_grad, atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad_hidden, full_grad_hidden, atol=1e-5, rtol=0)  # summed over the slices
+    grad = torch.cat([tp2[0]["vp"][2], tp2[1]["vp"][2]], dim=0)  # each rank its slice's rows of W
+    torch.testing.assert_close(grad, full_grad, atol=1e-5, rtol=0)
 
 
 def test_tp2_train_step_equals_tp1(tp1, tp2):

@@ -236,7 +236,7 @@ def test_packed_samples_match_transformers_per_row(qwen):
         logits = forward_with_decoder_input(
             model, packed.input_ids, positions, attention_input(model, packed), emb
         )
-        logp, _ = packed_logprobs_and_entropy(logits, packed)
+        logp, _ = packed_logprobs_and_entropy(logits, torch.eye(logits.shape[-1]), packed)
     for i, (r, p, g) in enumerate(zip(rows, [pix_a, pix_a, pix_b, pix_b], grids)):
         with torch.no_grad():
             ref = torch.log_softmax(hf_logits(hf, r, p, g), -1)

@@ -259,7 +259,7 @@ def test_packed_rows_with_images_match_hf(megatron_vlm, hf_vlm, pixels):
         logps = []
         for features in runs:
             logits = forward_packed_with_images(model, packed, features, IMG)
-            logps.append(packed_logprobs_and_entropy(logits, packed)[0])
+            logps.append(packed_logprobs_and_entropy(logits, torch.eye(logits.shape[-1]), packed)[0])
     for i, (r, image) in enumerate(zip(rows, images)):
         with torch.no_grad():
             ref = torch.log_softmax(hf_vlm(input_ids=torch.tensor([r]), pixel_values=image).logits[0], -1)

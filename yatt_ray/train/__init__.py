@@ -6,7 +6,7 @@ Importing this package does not import Megatron; the functions that need it impo
 from yatt_ray.train.cpu_shims import apply_cpu_shims
 from yatt_ray.train.critic import MegatronCritic
 from yatt_ray.train.hf_convert import check_tp_size, hf_to_megatron, megatron_to_hf
-from yatt_ray.train.logprobs import token_logprobs_and_entropy
+from yatt_ray.train.logprobs import head_logprobs_and_entropy
 from yatt_ray.train.micro_batches import plan_micro_batches
 from yatt_ray.train.model import (
     build_gpt_model,
@@ -36,6 +36,6 @@ __all__ = [
     "plan_micro_batches",
     "read_hf_state_dict",
     "seed_everything",
-    "token_logprobs_and_entropy",
+    "head_logprobs_and_entropy",
     "transformer_config",
 ]

@@ -1,24 +1,26 @@
-"""Per-token log-probabilities and entropy from vocab-parallel logits, without gathering the vocabulary.
+"""Per-token log-probabilities and entropy from the last hidden states and the vocab-parallel output weight,
+without materialising the logits.
 
-Each tensor-parallel rank holds logits for its slice of the vocabulary, [B, T, V/tp]. With m the global max,
-S = sum_v exp(z_v - m) (summed over all ranks' slices) and log Z = m + log S:
+Each tensor-parallel rank holds its slice of the output weight W [V/tp, H]; the logits of a position are
+z = W h. With m the global max, S = sum_v exp(z_v - m) (summed over all ranks' slices) and log Z = m + log S:
 
     logp(y)  = z_y - log Z                      (z_y lives on exactly one rank; the others add 0)
-    entropy  = log Z - sum_v p_v z_v  = log S - sum_v exp(z_v - m) (z_v - m) / S
+    entropy  = log Z - sum_v p_v z_v  = log S - E,      E = sum_v p_v (z_v - m)
 
-Only [B, T] tensors cross ranks (the max, then S, the target logit and the p*z sum in one all-reduce). The
-loss built on top is computed identically on every TP rank, so each rank back-propagates d(loss)/d(own slice)
-once, and the backward needs no collective: with p_v = exp(z_v - m) / S and E = sum_v p_v (z_v - m),
+The vocabulary is walked in chunks of columns (`chunk_columns`: about `CHUNK_ELEMENTS` float32 values of
+[N, chunk] on a CPU, `CUDA_CHUNK_ELEMENTS` on a GPU): each chunk's logits are one matmul, upcast to float32,
+folded into running (m, S, E) with the online-softmax rescaling (a new max m' multiplies S by exp(m - m') and
+turns sum e (z - m) into exp(m - m') (sum e (z - m) + (m - m') S)), then dropped. Only [N] tensors cross
+ranks (the max, then S, the target logit and E in one all-reduce). The backward walks the chunks again,
+recomputing each chunk's logits from the saved h and W and the saved m, S, E ([N] each):
 
     d logp(y) / d z_v = [v = y] - p_v          d entropy / d z_v = -p_v (z_v - m - E)
+    dh = sum_chunks G_c W_c   (float32, all-reduced over the TP ranks)       dW_c = G_c^T h
 
-No [B, T, V] float32 tensor is made: the logits are read in chunks of rows (`CHUNK_ELEMENTS` values each on
-a CPU, `CUDA_CHUNK_ELEMENTS` on a GPU; upcast to float32 one chunk at a time) in the forward, and again in the
-backward, which recomputes p per chunk from the saved m, S and E ([B, T] each). Peak extra memory is a few
-chunks, whatever the vocabulary (at 4 x 1024 tokens x 151,936 the float32 copy alone was 2.5 GB); the saved
-tensor is the logits themselves. A CPU chunk fits in cache (16 MiB); a GPU's is 16x larger, since each chunk
-costs ~20 kernel launches: at the CPU's size a 4,096-token micro-batch over 151,936 ids is 152 chunks, ~3,300
-launches forward and backward, each on too little data to keep a GPU busy.
+so the peak extra memory is a few [N, chunk] float32 tensors and one [N, H] float32 accumulator, whatever the
+vocabulary: at 16,384 tokens x 151,936 ids x hidden 1,536 the float32 logits and their gradient alone would
+be ~19 GiB (`release/bench_gpu_ready.py` measures the peak). Each chunk costs ~15 kernel launches in the
+forward and ~20 in the backward, so a GPU's chunk is 8x a CPU's (16 MiB, which stays in cache).
 """
 
 from __future__ import annotations
@@ -26,26 +28,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-CHUNK_ELEMENTS = 1 << 22  # float32 values of one chunk of rows on a CPU (16 MiB)
-CUDA_CHUNK_ELEMENTS = 1 << 26  # on a GPU (256 MiB): 10 chunks for 4,096 tokens x 151,936 ids
+CHUNK_ELEMENTS = 1 << 22  # float32 values of one [N, chunk] block on a CPU (16 MiB)
+CUDA_CHUNK_ELEMENTS = 1 << 25  # on a GPU (128 MiB): 75 chunks for 16,384 tokens x 151,936 ids
 
 
-def token_logprobs_and_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, tp_group=None
+def head_logprobs_and_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp_group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of `targets` and the entropy of the predictive distribution, per position.
 
     Args:
-        logits_shard: [B, T, V/tp] this rank's vocabulary slice (rank r holds ids [r*V/tp, (r+1)*V/tp)), any
-            float dtype.
-        targets: [B, T] long token ids in [0, V).
+        hidden: [..., H] the last hidden states (after the final norm), any float dtype.
+        weight: [V/tp, H] this rank's slice of the output weight (rank r holds ids [r*V/tp, (r+1)*V/tp)),
+            the dtype of `hidden`.
+        targets: [...] long token ids in [0, V).
         tp_group: the tensor-parallel process group; None (or a group of size 1) means the full vocabulary.
     Returns:
-        (logp [B, T], entropy [B, T]) in float32, both differentiable w.r.t. `logits_shard`.
+        (logp [...], entropy [...]) in float32, both differentiable w.r.t. `hidden` and `weight`.
     """
     shape = targets.shape
-    flat = logits_shard.reshape(-1, logits_shard.shape[-1])
-    logp, entropy = _ChunkedLogProbs.apply(flat, targets.reshape(-1), tp_group)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, entropy = _HeadLogProbs.apply(flat, weight, targets.reshape(-1), tp_group)
     return logp.view(shape), entropy.view(shape)
 
 
@@ -53,53 +56,91 @@ def _tp_size(tp_group) -> int:
     return 1 if tp_group is None else dist.get_world_size(tp_group)
 
 
-def _chunks(logits: torch.Tensor) -> list[slice]:
-    """Row slices of `logits` [N, V], each at most the device's chunk of values (one row at least)."""
-    rows, vocab = logits.shape
-    budget = CUDA_CHUNK_ELEMENTS if logits.is_cuda else CHUNK_ELEMENTS
-    step = max(1, budget // max(vocab, 1))
-    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+def chunk_columns(rows: int, vocab: int, cuda: bool) -> list[slice]:
+    """Column slices of the [rows, vocab] logits, each at most the device's chunk of values (one column at
+    least)."""
+    budget = CUDA_CHUNK_ELEMENTS if cuda else CHUNK_ELEMENTS
+    step = max(1, budget // max(rows, 1))
+    return [slice(i, min(i + step, vocab)) for i in range(0, vocab, step)]
 
 
-class _ChunkedLogProbs(torch.autograd.Function):
-    """logits [N, V/tp], targets [N] -> (logp [N], entropy [N]) float32; see the module docstring."""
+def _chunk_targets(local: torch.Tensor, on_rank: torch.Tensor, c: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [N, 1] into chunk `c`'s columns, whether the target is in the chunk [N])."""
+    inside = on_rank & (local >= c.start) & (local < c.stop)
+    return (local - c.start).clamp(0, c.stop - c.start - 1)[:, None], inside
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """hidden [N, H], weight [V/tp, H], targets [N] -> (logp [N], entropy [N]) float32; see the module
+    docstring."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp_group):
-        rows, vocab = logits.shape
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp_group):
+        rows, vocab = hidden.shape[0], weight.shape[0]
         tp = _tp_size(tp_group)
         local = targets - (0 if tp == 1 else dist.get_rank(tp_group)) * vocab
         on_rank = (local >= 0) & (local < vocab)
-        local = local.clamp(0, vocab - 1)
-        m = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        for c in _chunks(logits):
-            m[c] = logits[c].amax(dim=-1).float()
-        if tp > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-        sums = torch.zeros(3, rows, dtype=torch.float32, device=logits.device)  # S, target - m, sum e (z - m)
-        for c in _chunks(logits):
-            shifted = logits[c].float() - m[c, None]
+        zeros = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+        m, total, weighted, target = zeros - torch.inf, zeros, zeros, zeros  # S, sum e (z - m), z_y
+        for c in chunk_columns(rows, vocab, hidden.is_cuda):
+            z = (hidden @ weight[c].T).float()  # [N, chunk]
+            new_m = torch.maximum(m, z.amax(dim=-1))
+            drop = torch.where(
+                m > -torch.inf, m - new_m, 0.0
+            )  # log of the rescale (0 before the first chunk)
+            weighted = drop.exp() * (weighted + drop * total)
+            total = drop.exp() * total
+            shifted = z - new_m[:, None]
             exp = shifted.exp()
-            sums[0, c] = exp.sum(dim=-1)
-            sums[1, c] = torch.where(on_rank[c], shifted.gather(-1, local[c, None]).squeeze(-1), 0.0)
-            sums[2, c] = (exp * shifted).sum(dim=-1)
+            total = total + exp.sum(dim=-1)
+            weighted = weighted + (exp * shifted).sum(dim=-1)
+            index, inside = _chunk_targets(local, on_rank, c)
+            target = torch.where(inside, z.gather(-1, index).squeeze(-1), target)
+            m = new_m
         if tp > 1:
+            global_m = m.clone()
+            dist.all_reduce(global_m, op=dist.ReduceOp.MAX, group=tp_group)
+            drop = m - global_m
+            sums = torch.stack(
+                [
+                    drop.exp() * total,
+                    drop.exp() * (weighted + drop * total),
+                    torch.where(on_rank, target, 0.0),
+                ]
+            )
             dist.all_reduce(sums, group=tp_group)
-        total, target, weighted = sums
+            m, (total, weighted, target) = global_m, sums
+            target = target - m
+        else:
+            target = target - m
         mean_shifted = weighted / total  # E
         logp = target - total.log()
         entropy = total.log() - mean_shifted
-        ctx.save_for_backward(logits, local, on_rank, m, total, mean_shifted)
+        ctx.tp_group = tp_group
+        ctx.save_for_backward(hidden, weight, local, on_rank, m, total, mean_shifted)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
-        logits, local, on_rank, m, total, mean_shifted = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for c in _chunks(logits):
-            shifted = logits[c].float() - m[c, None]
-            p = shifted.exp() / total[c, None]
-            g = -p * (grad_logp[c, None] + grad_entropy[c, None] * (shifted - mean_shifted[c, None]))
-            g.scatter_add_(-1, local[c, None], (grad_logp[c] * on_rank[c])[:, None])
-            grad[c] = g.to(grad.dtype)
-        return grad, None, None
+        hidden, weight, local, on_rank, m, total, mean_shifted = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        )
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        for c in chunk_columns(hidden.shape[0], weight.shape[0], hidden.is_cuda):
+            shifted = (hidden @ weight[c].T).float() - m[:, None]
+            p = shifted.exp() / total[:, None]
+            g = -p * (grad_logp[:, None] + grad_entropy[:, None] * (shifted - mean_shifted[:, None]))
+            index, inside = _chunk_targets(local, on_rank, c)
+            g.scatter_add_(-1, index, (grad_logp * inside)[:, None])
+            g = g.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden += (g @ weight[c]).float()
+            if grad_weight is not None:
+                grad_weight[c] = g.T @ hidden
+        if grad_hidden is not None:
+            if _tp_size(ctx.tp_group) > 1:  # each rank's slice adds its part (the output layer's all-reduce)
+                dist.all_reduce(grad_hidden, group=ctx.tp_group)
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, None, None

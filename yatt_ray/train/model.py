@@ -227,6 +227,34 @@ def tp_partial_grad_parameters(model) -> list[torch.nn.Parameter]:
     ]
 
 
+def gpt_module(model):
+    """The GPTModel inside Megatron's DDP / Float16Module wrappers (each keeps it as `.module`)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def hidden_state_output(model) -> None:
+    """Make `model` (a GPTModel, or its wrapper) return its last hidden states [B, T, H] (after the final norm)
+    instead of the logits: its output layer's forward becomes the identity. The layer and its weight stay
+    (checkpoints, export and weight sync see them as before); `output_weight(model)` gives the weight to
+    `logprobs.head_logprobs_and_entropy`, which never materialises the [T, V] logits."""
+    gpt_module(model).output_layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (
+        hidden,
+        None,
+    )
+
+
+def output_weight(model) -> torch.Tensor:
+    """[V/tp, H] this rank's slice of `model`'s output weight: the word embedding's when tied."""
+    gpt = gpt_module(model)
+    return (
+        gpt.shared_embedding_or_output_weight()
+        if gpt.share_embeddings_and_output_weights
+        else gpt.output_layer.weight
+    )
+
+
 def rope_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] token positions -> the [3, B, T] position_ids of the model's (multimodal-form) RoPE."""
     return position_ids[None].expand(3, *position_ids.shape)

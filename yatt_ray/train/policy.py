@@ -22,13 +22,15 @@ from yatt_ray.model_dir import is_vision_model
 from yatt_ray.model_shape import LlamaShape
 from yatt_ray.train import qwen_vl
 from yatt_ray.train.hf_convert import StateDict, hf_to_megatron, megatron_to_hf
-from yatt_ray.train.logprobs import token_logprobs_and_entropy
+from yatt_ray.train.logprobs import head_logprobs_and_entropy
 from yatt_ray.train.model import (
     build_gpt_model,
     forward_packed,
+    hidden_state_output,
     load_hf_weights,
     load_megatron_shard,
     model_rows,
+    output_weight,
     read_hf_state_dict,
 )
 from yatt_ray.train.packing import pack_shared_prefix
@@ -128,6 +130,7 @@ class MegatronPolicy(MegatronTrainerBase):
             load_language_model_weights(model, self.model_dir, self.shape)
         else:
             load_hf_weights(model, self.model_dir, self.shape)
+        hidden_state_output(model)  # log-probs from the hidden states and the output weight, no logits
         return model
 
     def _frozen_modules(self) -> list[torch.nn.Module]:
@@ -167,7 +170,7 @@ class MegatronPolicy(MegatronTrainerBase):
         rows = model_rows(model, packed)  # one flat row [1, T] under the packed attention
         on_device = rows.to(self.device)
         if self.encoder is None:
-            logits = forward_packed(model, on_device)  # [G, L, V/tp] ([1, T, V/tp] flat)
+            hidden = forward_packed(model, on_device)  # [G, L, H] ([1, T, H] flat)
         else:
             if images is None or image_prompt is None:
                 raise ValueError("a vision-language policy needs `images` and `image_prompt` with the batch")
@@ -180,8 +183,8 @@ class MegatronPolicy(MegatronTrainerBase):
                 positions = (
                     positions if rows is packed else packed.on_flat(positions, rows.input_ids.shape[-1])
                 )
-            logits = forward_packed_with_images(model, on_device, features, encoder.image_token_id, positions)
-        return packed_logprobs_and_entropy(logits, on_device, self.tp_group)
+            hidden = forward_packed_with_images(model, on_device, features, encoder.image_token_id, positions)
+        return packed_logprobs_and_entropy(hidden, output_weight(model), on_device, self.tp_group)
 
     @torch.no_grad()
     def log_probs(
@@ -363,16 +366,17 @@ class MegatronPolicy(MegatronTrainerBase):
 
 
 def packed_logprobs_and_entropy(
-    logits: torch.Tensor, packed, tp_group=None
+    hidden: torch.Tensor, weight: torch.Tensor, packed, tp_group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp, entropy) [B, T-1] of the original rows from the logits [G, L, V/tp] of their packed rows
-    (`packing.SharedPrefixRows`): each position's log-prob of its target, and each extra prediction's (a
-    shared body's last token predicting rows 2..n's first own tokens) from the logits of its position."""
-    logp, entropy = token_logprobs_and_entropy(logits, packed.targets, tp_group)
+    """(logp, entropy) [B, T-1] of the original rows from the last hidden states [G, L, H] of their packed rows
+    (`packing.SharedPrefixRows`) and the output weight [V/tp, H]: each position's log-prob of its target, and
+    each extra prediction's (a shared body's last token predicting rows 2..n's first own tokens) from the
+    hidden state of its position."""
+    logp, entropy = head_logprobs_and_entropy(hidden, weight, packed.targets, tp_group)
     extra = None
     if len(packed.extra_at):
-        at_extra = logits.reshape(-1, logits.shape[-1])[packed.extra_at]  # [E, V/tp]
-        extra, _ = token_logprobs_and_entropy(at_extra, packed.extra_targets, tp_group)
+        at_extra = hidden.reshape(-1, hidden.shape[-1])[packed.extra_at]  # [E, H]
+        extra, _ = head_logprobs_and_entropy(at_extra, weight, packed.extra_targets, tp_group)
     return packed.unpack(logp, extra), packed.unpack(entropy)
 
 
