@@ -363,8 +363,11 @@ class GroupController:
             return stats
         steps: list[dict[str, float]] = []
         record = None
-        if batch.old_logp is None:  # on-policy: the training forward fills it (NaN where a row is skipped)
-            batch.old_logp = record = torch.full_like(batch.rollout_logp, float("nan"))
+        if (
+            batch.old_logp is None
+        ):  # on-policy: the training forward fills it (NaN where a row is skipped), on
+            # the device, read back once after the steps (not a wait for the device in every micro-batch)
+            record = torch.full_like(batch.rollout_logp, float("nan"), device=self.policy.device)
         skip = self._zero_gradient_rows(batch)
         left_out = 0
         for _ in range(cfg.algo.ppo_epochs):
@@ -386,6 +389,8 @@ class GroupController:
                     tensors["row"] = chunk
                 steps.append(self.policy.train_step(tensors, loss_fn, **batching))
         stats.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
+        if record is not None:
+            batch.old_logp = record.cpu()
         if skip is not None:  # of the samples the optimizer steps saw, the share left out
             passes = cfg.algo.ppo_epochs * batch.size
             stats["train/skipped_fraction"] = self._dp_sum(torch.tensor(float(left_out))) / max(

@@ -126,7 +126,8 @@ def policy_loss_fn(
 
     On-policy (`is_on_policy`), pass `record_old_logp` [N, R]: old_logp = logp.detach() (ratio 1, gradient
     that of the plain policy gradient), the truncated-IS weights are taken against it, and each micro-batch's
-    detached log-probs are written into the buffer at its rows (`mb["row"]`) for the step's metrics.
+    detached log-probs are written into the buffer at its rows (`mb["row"]`) for the step's metrics (a buffer
+    on the trainer's device takes them without a copy to the host).
     `metric_tokens` (default `global_tokens`) normalises the logged token means: the trained tokens when the
     controller leaves zero-gradient rows out (`zero_gradient_rows`), so pg_loss, entropy and clipfrac are means
     over the rows that ran.
@@ -171,7 +172,7 @@ def _on_policy_old_logp(
     `record` at the micro-batch's rows for the step's metrics; the truncated-IS weights, taken against them
     when `algo.off_policy` is "none" with `algo.tis_cap` set, else `weights`)."""
     old = lp.detach()
-    record[mb["row"].cpu()] = old.cpu()
+    record[mb["row"].to(record.device)] = old.to(record.device)  # on the device when the record is (no wait)
     if algo.tis_cap is not None and algo.off_policy == "none":
         weights = tis_weights(old, mb["rollout_logp"], algo.tis_cap)
     return old, weights
@@ -230,9 +231,11 @@ def value_loss_fn(value_clip: float | None, prompt_width: int, global_tokens: fl
 
 
 def _token_mean_shares(per_token: dict[str, torch.Tensor], mask: torch.Tensor, global_tokens: float):
-    """Logged values as this micro-batch's share of the global token mean (shares sum to batch means)."""
+    """Logged values as this micro-batch's share of the global token mean (shares sum to batch means), as 0-d
+    tensors on the device: the trainer sums them and reads them once a step."""
     return {
-        k: float(aggregate(v, mask, "token-mean", global_tokens=global_tokens)) for k, v in per_token.items()
+        k: aggregate(v, mask, "token-mean", global_tokens=global_tokens).detach()
+        for k, v in per_token.items()
     }
 
 

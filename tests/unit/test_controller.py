@@ -28,6 +28,7 @@ class FakePolicy:
     def __init__(self, log: list) -> None:
         self.log, self.batches = log, []
         self.recorder, self.compute_s = None, 0.0  # set and read by the controller
+        self.device = "cpu"
 
     def log_probs(self, ids, mask, reference: bool = False, **batching):
         self.log.append("ref_logp" if reference else "old_logp")

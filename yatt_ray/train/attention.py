@@ -58,6 +58,12 @@ class SegmentLayout:
     visible: Tensor | None = None
     grid: Tensor | None = None
 
+    @functools.cached_property
+    def gather(self) -> Tensor:
+        """[sum_k S_k * L_k] every bucket's flat indices, bucket after bucket (made once per layout, read by
+        every layer)."""
+        return torch.cat([b.reshape(-1) for b in self.buckets])
+
     def to(self, device) -> SegmentLayout:
         visible, grid = (None if t is None else t.to(device) for t in (self.visible, self.grid))
         buckets = tuple(b.to(device) for b in self.buckets)
@@ -169,15 +175,19 @@ def packed_attention(
     def flat(x: Tensor) -> Tensor:  # [L, G, n, d] -> [G * L, n, d]
         return x.transpose(0, 1).reshape(rows * length, x.shape[2], dim)
 
-    q, k, v = flat(query), flat(key), flat(value)
+    # every bucket's positions in one gather per tensor (its backward one index_add), split into the buckets
+    # as views (whose backward is one cat): the kernel launches do not grow with the bucket count but for the
+    # attention calls themselves
+    sizes = [index.numel() for index in layout.buckets]
+    gathered = (x.index_select(0, layout.gather).split(sizes) for x in (flat(query), flat(key), flat(value)))
     outputs = []
-    for index in layout.buckets:
+    for index, q, k, v in zip(layout.buckets, *gathered):
         s, w = index.shape
 
-        def take(x: Tensor, s: int = s, w: int = w, index: Tensor = index) -> Tensor:
-            return x.index_select(0, index.reshape(-1)).view(s, w, x.shape[1], dim).transpose(1, 2)
+        def bucket(x: Tensor, s: int = s, w: int = w) -> Tensor:  # [S_k * L_k, n, d] -> [S_k, n, L_k, d]
+            return x.view(s, w, x.shape[1], dim).transpose(1, 2)
 
-        out = grouped_attention(take(q), take(k), take(v), scale, active_gqa())  # [S_k, h, L_k, d]
+        out = grouped_attention(bucket(q), bucket(k), bucket(v), scale, active_gqa())  # [S_k, h, L_k, d]
         outputs.append(out.transpose(1, 2).reshape(s * w, heads * dim))
     outputs.append(query.new_zeros(1, heads * dim))
     out = torch.cat(outputs).index_select(0, layout.out_source)  # [G * L, h * d]

@@ -32,6 +32,8 @@ into the halves of one gradient tensor. Megatron reaches it through its `bias_ac
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -75,9 +77,25 @@ class _Rotary(torch.autograd.Function):
         return _rotate_grad(grad, cos, sin), None, None
 
 
+_tables: tuple[weakref.ref, torch.dtype, Tensor, Tensor] | None = None  # the last freqs' (cos, sin)
+
+
+def rope_tables(freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of freqs in `dtype`, made once per freqs tensor: the model makes freqs once a forward and every
+    layer's query and key read the same tables (4 kernels a layer less than computing them at each call)."""
+    global _tables
+    if _tables is not None:
+        ref, kind, cos, sin = _tables
+        if ref() is freqs and kind == dtype:
+            return cos, sin
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    _tables = (weakref.ref(freqs), dtype, cos, sin)
+    return cos, sin
+
+
 def rotary(x: Tensor, freqs: Tensor) -> Tensor:
     """RoPE of x [S, B, heads, d] at angles freqs [S, B, 1, d] (non-interleaved halves); same dtype as x."""
-    return _Rotary.apply(x, torch.cos(freqs).to(x.dtype), torch.sin(freqs).to(x.dtype))
+    return _Rotary.apply(x, *rope_tables(freqs, x.dtype))
 
 
 def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):

@@ -132,9 +132,12 @@ class MainParamOptimizer:
             dist.all_reduce(sq, group=self.dp_group)
         return sq
 
-    def scale_grads(self, scale: float) -> None:
-        for pc in self.pieces:
-            pc.grad.mul_(scale)
+    def scale_grads(self, scale: float | torch.Tensor) -> None:
+        """Every owned gradient times `scale` (a number, or a 0-d tensor on the device: no value read back), in
+        one multi-tensor launch."""
+        grads = [pc.grad for pc in self.pieces]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype) if torch.is_tensor(scale) else scale)
 
     def step(self) -> None:
         """AdamW on the main copies, written back into the weights; sharded: then all-gather the weights."""

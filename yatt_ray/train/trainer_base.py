@@ -22,7 +22,6 @@ Tensor-parallel ranks of one DP group get the same batch, so they plan the same 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -189,10 +188,8 @@ class MegatronTrainerBase:
                     micro = host if self.device == "cpu" else select_rows(batch, rows, index, self.device)
                     loss, metrics = micro_loss(micro, host)
                     loss.backward()
-                for k, v in metrics.items():  # summed on the device: read once, after the last micro-batch
+                for k, v in metrics.items():  # summed on the device: read once, at the end of the step
                     totals[k] = totals.get(k, 0.0) + (v.detach().double() if torch.is_tensor(v) else v)
-        totals = {k: float(v) for k, v in totals.items()}
-        totals["forward_tokens"] = float(self.forward_tokens)
         with self._part("grad_sync", busy=False):  # waits here for the slowest data-parallel rank
             grad_norm = self._sync_and_clip()
         with self._part("optimizer"):
@@ -201,7 +198,9 @@ class MegatronTrainerBase:
             if side is not None:
                 side.step()
             self._zero_grads()
-        return {"grad_norm": grad_norm, "lr": self.lr, **self._sum_over_dp(totals)}
+        norm, totals = self._read_step(grad_norm, totals)
+        totals["forward_tokens"] = float(self.forward_tokens)
+        return {"grad_norm": norm, "lr": self.lr, **totals}
 
     @contextmanager
     def _part(self, name: str, busy: bool = True) -> Iterator[None]:
@@ -212,9 +211,9 @@ class MegatronTrainerBase:
         if busy:
             self.compute_s += time.perf_counter() - start
 
-    def _sync_and_clip(self) -> float:
+    def _sync_and_clip(self) -> torch.Tensor:
         """Sum gradients over DP (all-reduce, or reduce-scatter into the owned shards when the optimizer is
-        sharded), clip by the global norm; return the norm. The DP reduction began during the last micro-batch's
+        sharded), clip by the global norm on the device (no value read back); return the norm (0-d float64). The DP reduction began during the last micro-batch's
         backward, bucket by bucket (Megatron's `overlap_grad_reduce`); it is waited for before anything else
         touches the gradient buffer (sums commute: DP then TP is the same sum as TP then DP)."""
         self.model.finish_grad_sync()
@@ -229,14 +228,14 @@ class MegatronTrainerBase:
                 dist.all_reduce(grad, group=self.dp_group)
             side.append((p, grad))
         norm = self._grad_norm(side)
-        if self.grad_clip > 0 and norm > self.grad_clip:
-            scale = self.grad_clip / (norm + 1e-6)
+        if self.grad_clip > 0:  # on the device: scale 1 unless the norm is above the clip (a NaN norm: 1)
+            scale = torch.where(norm > self.grad_clip, self.grad_clip / (norm + 1e-6), 1.0)
             self.optimizer.scale_grads(scale)
-            for _, grad in side:
-                grad.mul_(scale)
+            if side:
+                torch._foreach_mul_([grad for _, grad in side], scale.to(side[0][1].dtype))
         return norm
 
-    def _grad_norm(self, side: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> float:
+    def _grad_norm(self, side: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> torch.Tensor:
         """L2 norm of the whole gradient (the model's owned pieces and `side`'s (param, grad) pairs);
         TP-replicated params (norms, the value head) counted once."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -250,20 +249,23 @@ class MegatronTrainerBase:
                 sq += grad.detach().double().pow(2).sum()
         if dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
-        return math.sqrt(float(sq))
+        return sq.sqrt()
 
     def _zero_grads(self) -> None:
         self.model.zero_grad_buffer()
         for p in self._side_params():
             p.grad = None
 
-    def _sum_over_dp(self, totals: dict[str, float]) -> dict[str, float]:
-        if not totals or dist.get_world_size(self.dp_group) == 1:
-            return totals
+    def _read_step(self, grad_norm: torch.Tensor, totals: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        """(The grad norm, the metrics summed over the data-parallel ranks) read to the host in one copy: the
+        step's one wait for the device, after its last kernel was queued."""
         keys = sorted(totals)
-        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.dp_group)
-        return dict(zip(keys, t.tolist()))
+        values = [torch.as_tensor(totals[k], dtype=torch.float64, device=self.device) for k in keys]
+        summed = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=self.device)
+        if values and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(summed, group=self.dp_group)
+        norm, *read = torch.cat([grad_norm.reshape(1).to(summed), summed]).tolist()
+        return norm, dict(zip(keys, read))
 
     @property
     def lr(self) -> float:
