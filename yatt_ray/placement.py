@@ -370,14 +370,25 @@ def activation_bytes(shape: Any, tokens: int, tp: int, dtype: str, recompute: bo
     dtype (norm inputs and outputs, the attention's q, k, v and output, the residuals, the SwiGLU's two
     halves and product; no s^2 term: attention is fused), h hidden, F the MLP's width, q and kv the query
     and key/value widths. With recomputation (`train.recompute_activations`) a layer keeps only its input h,
-    and one layer's full set exists while it is recomputed. The logits and their gradient add 2 x V / tp
-    values a token (the log-probs are taken in chunks, `train/logprobs.py`, so no float32 copy of them)."""
+    and one layer's full set exists while it is recomputed. The log-probs add `logprob_bytes` (no logits: they
+    are taken from the hidden states in chunks of the vocabulary, `train/logprobs.py`)."""
     w = weight_bytes(dtype)
     h, layers = shape.hidden_size, shape.num_layers
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     layer = 6 * h + (3 * shape.ffn_hidden_size + q + 2 * kv) / tp
     kept = h * layers + layer if recompute else layer * layers
-    return tokens * w * (kept + 2 * shape.vocab_size / tp)
+    return tokens * w * kept + logprob_bytes(tokens, h)
+
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 25  # float32 values of one vocabulary chunk on a GPU (train/logprobs.py's)
+
+
+def logprob_bytes(tokens: int, hidden: int) -> float:
+    """The log-probs' and entropy's peak beyond their inputs and gradients: six float32 chunks of
+    LOGPROB_CHUNK_ELEMENTS (a chunk's logits and the backward's temporaries) and the [T, H] float32 gradient
+    of the hidden states (measured: 753 MiB at 16,384 tokens x 151,936 ids x 1,536, against 864 here;
+    `release/bench_gpu_ready.py`)."""
+    return 6 * LOGPROB_CHUNK_ELEMENTS * 4 + tokens * hidden * 4
 
 
 def memory_estimate_gb(

@@ -86,3 +86,13 @@ def test_kernel_launches_per_layer_and_host_syncs_per_step_stay_within_their_bou
     step = step_syncs(policy, micro, micro_batch_size=(rows + 1) // 2)  # 2 micro-batches
     assert sum(step.syncs.values()) <= SYNCS_PER_STEP, step.syncs
     assert step.ops["_fused_adamw_"] >= 1  # the step ran whole (the optimizer too) under the counter
+
+
+def test_the_memory_check_counts_the_log_probs_chunk_the_trainer_uses():
+    """`placement.logprob_bytes` sizes the log-probs by train/logprobs.py's GPU chunk, and stays above the
+    measured peak."""
+    import yatt_ray.train.logprobs as lp
+    from yatt_ray.placement import LOGPROB_CHUNK_ELEMENTS, logprob_bytes
+
+    assert LOGPROB_CHUNK_ELEMENTS == lp.CUDA_CHUNK_ELEMENTS
+    assert logprob_bytes(16_384, 1_536) / 2**20 >= logprob_peak_mib(16_384, 1_536, 151_936)
