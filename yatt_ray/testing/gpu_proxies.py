@@ -187,10 +187,12 @@ def grpo_loss(micro: dict):
 
 def micro_batch_counts(policy, micro: dict) -> OpCounter:
     """The ops of one micro-batch's forward and backward through the trainer's own forward and GRPO loss."""
+    from yatt_ray.train.kernels import kernels_in_effect
+
     counter = OpCounter()
     batch = micro["batch"]
     policy.model.train()
-    with counter:
+    with kernels_in_effect(None), counter:  # the default kernels, whatever an earlier measurement chose
         logp, entropy = policy._forward(
             policy.model, batch["input_ids"], batch["attention_mask"], micro["group"]
         )
@@ -204,8 +206,10 @@ def micro_batch_counts(policy, micro: dict) -> OpCounter:
 def step_syncs(policy, micro: dict, micro_batch_size: int) -> OpCounter:
     """The host syncs (and ops) of one whole `train_step` over `micro`'s batch (micro-batches, grad sync,
     clipping, the optimizer, the metrics) with the library's GRPO loss."""
+    from yatt_ray.train.kernels import kernels_in_effect
+
     counter = OpCounter(device_state(policy))
-    with counter:
+    with kernels_in_effect(None), counter:
         policy.train_step(
             micro["batch"], grpo_loss(micro), micro_batch_size=micro_batch_size, group_size=micro["group"]
         )
