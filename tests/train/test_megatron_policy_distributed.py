@@ -175,6 +175,7 @@ def test_dp2_half_batches_equal_one_rank_full_batch(tiny_model_dir, tp1):
         assert m["grad_norm"] == pytest.approx(tp1["metrics"]["grad_norm"], rel=1e-5)
         assert m["loss"] == pytest.approx(tp1["metrics"]["loss"], rel=1e-5)  # summed over DP ranks
         assert m["tokens"] == tp1["metrics"]["tokens"]
+        assert m["forward_tokens"] == tp1["metrics"]["forward_tokens"]  # each rank's half, summed over DP
         for k, v in dp2[r]["sd"].items():
             torch.testing.assert_close(v, tp1["sd"][k], atol=1e-5, rtol=0)
 

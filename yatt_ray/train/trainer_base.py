@@ -198,8 +198,8 @@ class MegatronTrainerBase:
             if side is not None:
                 side.step()
             self._zero_grads()
+        totals["forward_tokens"] = float(self.forward_tokens)  # summed over the DP ranks with the metrics
         norm, totals = self._read_step(grad_norm, totals)
-        totals["forward_tokens"] = float(self.forward_tokens)
         return {"grad_norm": norm, "lr": self.lr, **totals}
 
     @contextmanager
