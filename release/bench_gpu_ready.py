@@ -2,6 +2,7 @@
 
     python release/bench_gpu_ready.py                    # the ~0.5B and 1.5B Qwen2 shapes, 16,384-token micro-batch
     python release/bench_gpu_ready.py --tokens 4096      # a smaller micro-batch (quicker)
+    python release/bench_gpu_ready.py --shapes 1024:8:8:2816 --group 4   # any hidden:heads:kv_heads:mlp point
 
 Measured (definitions in `yatt_ray.testing.gpu_proxies`):
   - ops_per_layer: kernel-launching ops of one decoder layer, forward + backward, over one GRPO micro-batch of
@@ -47,10 +48,30 @@ def policy_of(folder: Path, layers: int, shape: tuple[int, int, int, int]):
     return MegatronPolicy(folder / f"l{layers}", lr=1e-5)
 
 
+def shape_arg(text: str) -> str:
+    """A preset's name, or a `hidden:heads:kv_heads:mlp` point (added to SHAPES under that name)."""
+    if text not in SHAPES:
+        try:
+            hidden, heads, kv, ffn = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a preset ({', '.join(SHAPES)}) or hidden:heads:kv:mlp"
+            ) from None
+        SHAPES[text] = (hidden, heads, kv, ffn)
+    return text
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="real tokens of the micro-batch")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=list(SHAPES),
+        type=shape_arg,
+        help=f"presets ({', '.join(SHAPES)}) or hidden:heads:kv_heads:mlp points",
+    )
+    p.add_argument("--group", type=int, default=8, help="samples a prompt in the micro-batch")
     args = p.parse_args(argv)
 
     import torch.distributed as dist
@@ -69,14 +90,17 @@ def main(argv: list[str] | None = None) -> dict:
     )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     init_parallel_state(1)
-    micro = grpo_micro_batch(args.tokens, vocab=1024)
+    micro = grpo_micro_batch(args.tokens, vocab=1024, group=args.group)
     rows, real = len(micro["batch"]["input_ids"]), int(micro["batch"]["attention_mask"].sum())
     print(f"micro-batch: {rows} rows, {real} tokens, groups of {micro['group']}", flush=True)
     per_layer, syncs = {}, None
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes:
             start = time.perf_counter()
-            counts = [micro_batch_counts(policy_of(Path(tmp) / name, n, SHAPES[name]), micro) for n in (1, 2)]
+            counts = [
+                micro_batch_counts(policy_of(Path(tmp) / name.replace(":", "-"), n, SHAPES[name]), micro)
+                for n in (1, 2)
+            ]
             per_layer[name] = sum(counts[1].ops.values()) - sum(counts[0].ops.values())
             layer_ops = counts[1].ops - counts[0].ops
             top = ", ".join(f"{k} {v}" for k, v in layer_ops.most_common(8))

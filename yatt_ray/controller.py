@@ -363,10 +363,9 @@ class GroupController:
             return stats
         steps: list[dict[str, float]] = []
         record = None
-        if (
-            batch.old_logp is None
-        ):  # on-policy: the training forward fills it (NaN where a row is skipped), on
-            # the device, read back once after the steps (not a wait for the device in every micro-batch)
+        # on-policy: the training forward fills it (NaN where a row is skipped), on the device, read back once after
+        # the steps (not a wait for the device in every micro-batch)
+        if batch.old_logp is None:
             record = torch.full_like(batch.rollout_logp, float("nan"), device=self.policy.device)
         skip = self._zero_gradient_rows(batch)
         left_out = 0

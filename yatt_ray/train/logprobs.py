@@ -85,9 +85,8 @@ class _HeadLogProbs(torch.autograd.Function):
         for c in chunk_columns(rows, vocab, hidden.is_cuda):
             z = (hidden @ weight[c].T).float()  # [N, chunk]
             new_m = torch.maximum(m, z.amax(dim=-1))
-            drop = torch.where(
-                m > -torch.inf, m - new_m, 0.0
-            )  # log of the rescale (0 before the first chunk)
+            # the log of the rescale of what came before (0 before the first chunk)
+            drop = torch.where(m > -torch.inf, m - new_m, 0.0)
             weighted = drop.exp() * (weighted + drop * total)
             total = drop.exp() * total
             shifted = z - new_m[:, None]
@@ -110,9 +109,7 @@ class _HeadLogProbs(torch.autograd.Function):
             )
             dist.all_reduce(sums, group=tp_group)
             m, (total, weighted, target) = global_m, sums
-            target = target - m
-        else:
-            target = target - m
+        target = target - m  # z_y - m
         mean_shifted = weighted / total  # E
         logp = target - total.log()
         entropy = total.log() - mean_shifted

@@ -239,10 +239,14 @@ def hidden_state_output(model) -> None:
     instead of the logits: its output layer's forward becomes the identity. The layer and its weight stay
     (checkpoints, export and weight sync see them as before); `output_weight(model)` gives the weight to
     `logprobs.head_logprobs_and_entropy`, which never materialises the [T, V] logits."""
-    gpt_module(model).output_layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (
-        hidden,
-        None,
-    )
+    gpt_module(model).output_layer.forward = _hidden_through
+
+
+def _hidden_through(
+    hidden: torch.Tensor, weight=None, runtime_gather_output=None
+) -> tuple[torch.Tensor, None]:
+    """The output layer's call signature, returning its input (see `hidden_state_output`)."""
+    return hidden, None
 
 
 def output_weight(model) -> torch.Tensor:

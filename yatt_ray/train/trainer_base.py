@@ -213,9 +213,10 @@ class MegatronTrainerBase:
 
     def _sync_and_clip(self) -> torch.Tensor:
         """Sum gradients over DP (all-reduce, or reduce-scatter into the owned shards when the optimizer is
-        sharded), clip by the global norm on the device (no value read back); return the norm (0-d float64). The DP reduction began during the last micro-batch's
-        backward, bucket by bucket (Megatron's `overlap_grad_reduce`); it is waited for before anything else
-        touches the gradient buffer (sums commute: DP then TP is the same sum as TP then DP)."""
+        sharded), clip by the global norm on the device (no value read back); return the norm (0-d float64).
+        The DP reduction began during the last micro-batch's backward, bucket by bucket (Megatron's
+        `overlap_grad_reduce`); it is waited for before anything else touches the gradient buffer (sums commute:
+        DP then TP is the same sum as TP then DP)."""
         self.model.finish_grad_sync()
         if dist.get_world_size(self.tp_group) > 1:  # per-head norms (Qwen3): each TP rank saw its heads only
             for p in tp_partial_grad_parameters(self.model):
@@ -259,10 +260,11 @@ class MegatronTrainerBase:
     def _read_step(self, grad_norm: torch.Tensor, totals: dict[str, Any]) -> tuple[float, dict[str, float]]:
         """(The grad norm, the metrics summed over the data-parallel ranks) read to the host in one copy: the
         step's one wait for the device, after its last kernel was queued."""
-        keys = sorted(totals)
-        values = [torch.as_tensor(totals[k], dtype=torch.float64, device=self.device) for k in keys]
-        summed = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=self.device)
-        if values and dist.get_world_size(self.dp_group) > 1:
+        keys = sorted(totals)  # forward_tokens at least
+        summed = torch.stack(
+            [torch.as_tensor(totals[k], dtype=torch.float64, device=self.device) for k in keys]
+        )
+        if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(summed, group=self.dp_group)
         norm, *read = torch.cat([grad_norm.reshape(1).to(summed), summed]).tolist()
         return norm, dict(zip(keys, read))

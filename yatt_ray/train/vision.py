@@ -257,13 +257,6 @@ def set_trainable(encoder: VisionEncoder, train_vision: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- decoder input
-def _unwrap(model):
-    """The GPTModel inside Megatron's DDP / Float16Module wrappers (each keeps it as `.module`)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def decoder_input(
     gpt_model, input_ids: torch.Tensor, image_features: torch.Tensor | None, image_token_id: int
 ) -> torch.Tensor:
@@ -276,7 +269,9 @@ def decoder_input(
     `packed_image_index`'s order). Differentiable w.r.t. the embeddings and the features. DataError when
     the image tokens do not number I * P (or N).
     """
-    emb = _unwrap(gpt_model).embedding(input_ids=input_ids, position_ids=None)  # [T, B, D]
+    from yatt_ray.train.model import gpt_module
+
+    emb = gpt_module(gpt_model).embedding(input_ids=input_ids, position_ids=None)  # [T, B, D]
     mask = input_ids == image_token_id
     found = int(mask.sum())
     given = 0 if image_features is None else image_features.numel() // image_features.shape[-1]
