@@ -1,6 +1,6 @@
 """release/bench_gpu_ready.py on a small micro-batch: it runs in a process of its own (its one-rank world), and
-its last line has the form issue 55 asks for, with values inside the bounds tests/train/test_gpu_proxies.py
-holds."""
+its last line has the form issue 55 asks for, with values inside issue 55's bounds (launches per layer at the
+0.5B shape too, not only the tiny one tests/train/test_gpu_proxies.py counts)."""
 
 from __future__ import annotations
 
@@ -23,4 +23,4 @@ def test_the_bench_prints_the_four_proxies():
     last = LAST_LINE.match(out.stdout.strip().splitlines()[-1])
     assert last, out.stdout[-2000:]
     ops, syncs, peak, fits = int(last[1]), int(last[2]), float(last[3]), last[4]
-    assert 0 < ops < 150 and syncs <= 1 and 0 < peak <= 1024 and fits == "1", last[0]
+    assert 0 < ops <= 60 and syncs <= 1 and 0 < peak <= 1024 and fits == "1", last[0]

@@ -158,7 +158,9 @@ def test_unit_costs_match_the_packed_rows():
         body = int((packed.segment == 0).sum())
         seqs = [body + int((packed.segment == j).sum()) for j in range(1, group + 1)]
         pairs = sum(n * (n + 1) // 2 for n in seqs)
-        assert sum(len(b.flatten()) for b in packed.attention_layout().buckets) >= sum(seqs)
+        assert packed.attention_layout().kv_index.numel() == body + sum(
+            seqs
+        )  # the body's own, then [body; j]
         assert tokens[k] == packed.tokens
         assert flops[k] == 6 * packed.tokens + 12 * int(pairs)
 

@@ -82,3 +82,64 @@ def test_install_points_megatron_layers_here():
     fused.install()
     assert attention.apply_rotary_pos_emb is fused.apply_rotary_pos_emb
     assert mlp.bias_swiglu_impl is fused.bias_swiglu_impl
+    assert attention.apply_fused_qkv_rotary_pos_emb is fused.apply_fused_qkv_rotary_pos_emb
+
+
+def test_single_qkv_rope_equals_megatrons_split_then_rotate():
+    """fc_qkv's output [sq, b, g, (r + 2) d] -> rotated query [sq, b, g r, d], key, value: as Megatron's split
+    path (split, reshape the query, rotate each), values and gradients; its backward writes one fc_qkv-shaped
+    gradient (no concatenation)."""
+    g = torch.Generator().manual_seed(2)
+    groups, per_group, dim = 2, 3, 16
+    mixed = torch.randn(7, 2, groups, (per_group + 2) * dim, generator=g, dtype=torch.float64)
+    freqs = torch.rand(7, 2, 1, dim, generator=g, dtype=torch.float64) * 6
+    split = [per_group * dim, dim, dim]
+    ours_in, theirs_in = mixed.clone().requires_grad_(), mixed.clone().requires_grad_()
+    ours = fused.apply_fused_qkv_rotary_pos_emb(ours_in, freqs, freqs, split)
+    q, k, v = torch.split(theirs_in, split, dim=3)
+    q = q.reshape(7, 2, groups * per_group, dim)
+    theirs = (
+        rope_utils._apply_rotary_pos_emb_bshd(q, freqs),
+        rope_utils._apply_rotary_pos_emb_bshd(k, freqs),
+        v,
+    )
+    weights = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in theirs]
+    for got, want in zip(ours, theirs):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    sum((t * w).sum() for t, w in zip(ours, weights)).backward()
+    sum((t * w).sum() for t, w in zip(theirs, weights)).backward()
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="not \\[r \\* 16, 16, 16\\]"):
+        fused.apply_fused_qkv_rotary_pos_emb(mixed, freqs, freqs, [per_group * dim, dim, 2 * dim])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 0.0)])
+def test_rms_norm_operator_equals_torchs_rmsnorm(dtype, tol):
+    """One operator each way (`yatt_ray::rms_norm` / `_backward`), the values and gradients of
+    torch.nn.RMSNorm (bf16: bit for bit in the forward; the gradients as close to float64 as torch's own)."""
+    from yatt_ray.testing.gpu_proxies import OpCounter
+
+    g = torch.Generator().manual_seed(4)
+    ref = torch.nn.RMSNorm(16, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(16, generator=g))
+    x = torch.randn(9, 2, 16, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(9, 2, 16, generator=g).to(dtype)
+    ours = torch.nn.RMSNorm(16, eps=1e-6, dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    fused.use_fused_norms(torch.nn.Sequential(ours))
+    assert isinstance(ours, fused.RMSNorm) and list(ours.state_dict()) == ["weight"]
+    with OpCounter() as counter:
+        y = ours(x)
+        dx, dw = torch.autograd.grad(y, (x, ours.weight), grad)
+    assert counter.ops == {"rms_norm": 1, "rms_norm_backward": 1}, counter.ops
+    want = ref(x)
+    want_dx, want_dw = torch.autograd.grad(want, (x, ref.weight), grad)
+    torch.testing.assert_close(y, want, rtol=0, atol=tol)
+    x64, w64 = x.detach().double().requires_grad_(), ref.weight.detach().double().requires_grad_()
+    exact = torch.autograd.grad(
+        torch.nn.functional.rms_norm(x64, (16,), w64, 1e-6), (x64, w64), grad.double()
+    )
+    for got, theirs, truth in zip((dx, dw), (want_dx, want_dw), exact):
+        assert (got.double() - truth).abs().max() <= max((theirs.double() - truth).abs().max(), 1e-12) * 1.01

@@ -139,8 +139,8 @@ def test_rows_with_zero_advantage_left_out_give_the_same_step(tiny_model_dir):
     assert m_part["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5) and m_full["grad_norm"] > 0
     a, b = full.hf_state_dict(), part.hf_state_dict()
     assert not all(torch.equal(a[k], before[k]) for k in a)  # the step moved the weights
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    for k in a:  # Adam's first step is ~lr g / |g|: a gradient near 0 turns fp32 rounding into ~lr / 10
+        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0)
 
 
 def test_offload_onload_keeps_training_identical(tiny_model_dir):

@@ -77,12 +77,11 @@ def test_packed_attention_equals_dense_reference_in_values_and_gradients(
     weights = torch.randn(length, rows, heads * d, generator=gen, dtype=torch.float64).to(device) * real
 
     layout = segment_layout(packed.segment, dense_up_to=10**6 if whole_rows else 0).to(device)
-    assert (layout.visible is not None) == whole_rows and (len(layout.buckets) == 0) == whole_rows
+    assert (layout.visible is not None) == whole_rows and (layout.kv_index.numel() == 0) == whole_rows
     got = packed_attention(q, k, v, layout, scale=0.3)
     want = _dense(*(x.double() for x in (q, k, v)), packed.to(device), 0.3)
     assert got.dtype == dtype and ((got.double() - want).abs() * real).max() < tol
-    if not whole_rows:  # padding positions' outputs (never read) are zeros; whole rows give their own value
-        assert (got[~real.expand_as(got)] == 0).all()
+    assert torch.isfinite(got).all()  # padding positions attend to themselves: finite, never read
     grads = torch.autograd.grad((got.double() * weights).sum(), (q, k, v))
     want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
     for g, w in zip(grads, want_grads):  # low precision: gradients sum many positions, the tolerance scales
@@ -160,27 +159,60 @@ def test_flat_rows_map_back_to_the_original_columns():
 
 
 def test_layout_is_linear_in_the_packed_length():
-    """One group: a 512-token prompt and 8 samples of 2048: the layout holds sum_j (b + n_j) indices, no L x L."""
+    """One group: a 512-token prompt and 8 samples of 2048: the layout holds sum_j (b + n_j) key indices (the
+    body's own sequence, then each sample's [body; own]), its CPU plan one bucket of those, no L x L."""
     body, n, own = 512, 8, 2048
     segment = torch.cat(
         [torch.zeros(body, dtype=torch.long)] + [torch.full((own,), j) for j in range(1, n + 1)]
     )[None]
     layout = segment_layout(segment)
     length = segment.shape[1]
-    held = sum(b.numel() for b in layout.buckets) + layout.out_source.numel()
-    assert held == n * (body + own) + length
-    assert held < 3 * length  # the dense mask would hold length ** 2 = 280M entries
-    assert len(layout.buckets) == 1 and layout.buckets[0].shape == (n, body + own)
+    assert layout.cu_q.tolist() == [0, body] + [body + own * j for j in range(1, n + 1)]
+    assert layout.kv_index.numel() == body + n * (body + own) < 3 * length  # dense: length ** 2 = 280M
+    assert (layout.max_q, layout.max_k) == (own, body + own)
+    assert torch.equal(layout.kv_index[body : 2 * body + own], torch.arange(body + own))  # sample 1's keys
+    widths = [q_rows.shape for q_rows, _ in layout.plan.grids]
+    assert widths == [(n, body + own), (1, body)]
 
 
 def test_buckets_bound_the_padding():
-    """Sequences of very different lengths go to different buckets; each bucket's padding is bounded."""
+    """Sequences of very different lengths go to different CPU buckets; each bucket's padding is bounded."""
     lengths = [3000, 2900, 1200, 1100, 90, 40, 5]
     segment = torch.cat([torch.full((m,), j) for j, m in enumerate(lengths, start=1)])[None]
-    layout = segment_layout(segment)
-    widths = [b.shape[1] for b in layout.buckets]
+    grids = segment_layout(segment).plan.grids
+    widths = [q_rows.shape[1] for q_rows, _ in grids]
     assert widths == [3000, 1200, 90, 5]  # 40 joins 90 (within 64 tokens), 5 does not
-    assert sum(b.numel() for b in layout.buckets) < 1.1 * sum(lengths)
+    assert sum(q_rows.numel() for q_rows, _ in grids) < 1.1 * sum(lengths)
+
+
+@pytest.mark.parametrize("gqa", ["native", "expand"])
+def test_varlen_operator_equals_autograd_buckets(gqa):
+    """The one-call operator (its CPU kernel: saved log-sum-exp, hand-written backward) against the same
+    buckets through autograd (`bucketed_attention`), values and gradients in float64; one operator each way."""
+    from yatt_ray.testing.gpu_proxies import OpCounter
+    from yatt_ray.train.varlen import bucketed_attention, varlen_attention
+
+    gen = torch.Generator().manual_seed(3)
+    batch = _batch(gen, groups=4, n=4)
+    packed = pack_shared_prefix(batch.input_ids, batch.attention_mask, 4).flat()
+    layout = segment_layout(packed.segment, dense_up_to=0)
+    tokens, kv = layout.cu_q[-1].item(), layout.kv_index.numel()
+    q = torch.randn(tokens, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(kv, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    counter = OpCounter()
+    with counter:
+        got = varlen_attention(
+            q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, 0.3, layout.plan, gqa == "expand"
+        )
+        grads = torch.autograd.grad((got * got).sum(), (q, k, v))
+    assert {name: n for name, n in counter.ops.items() if "varlen" in name} == {
+        "varlen_attention": 1, "varlen_attention_backward": 1
+    }  # fmt: skip
+    want = bucketed_attention(q, k, v, layout.plan, 0.3, gqa)
+    want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
+    assert (got - want).abs().max() < 1e-12
+    for g, w in zip(grads, want_grads):
+        assert (g - w).abs().max() < 1e-10 and w.abs().max() > 0
 
 
 def _shape(**over):

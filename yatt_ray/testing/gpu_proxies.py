@@ -1,8 +1,11 @@
 """What a GPU step would cost, counted on the CPU: kernel launches per layer, host syncs per step, the log-probs'
 peak memory (`release/bench_gpu_ready.py` prints them; tests bound them).
 
-- Kernel-launching ops: every aten op that reaches a backend (below autograd, so the backward's ops too),
-  except those that only make a view or an uninitialised buffer (no kernel runs on a GPU for them).
+- Kernel-launching ops: every op that reaches a backend (below autograd, so the backward's ops too), except
+  those that only make a view or an uninitialised buffer (no kernel runs on a GPU for them). An operator is
+  counted once however its backend carries it out: the library's own operators (`yatt_ray::rms_norm`,
+  `yatt_ray::varlen_attention` and their backwards) are one fused kernel each on CUDA and a few kernels on
+  the CPU, as torch's own fused operators are.
 - Host syncs: ops that make the host wait for a GPU's result: `.item()` (and `if tensor`, `float(tensor)`:
   `_local_scalar_dense`), `nonzero` (and `torch.where(mask)`), boolean-mask indexing (`x[mask]`, `x[mask] = v`),
   `masked_select`, `unique`, and copies from a GPU to the host (`_to_copy` / `copy_` to the CPU), counted when
@@ -28,7 +31,10 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "set_"}
+# no kernel runs for these: uninitialised buffers, and `_unsafe_view` (a view that autograd records as a copy)
+NO_KERNEL = {
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "set_", "_unsafe_view"
+}  # fmt: skip
 HOST_READS = ("tolist", "numpy", "cpu")  # a device value read on the host (a GPU's copy back, then its wait)
 SYNCS = {
     "_local_scalar_dense",
@@ -185,14 +191,23 @@ def grpo_loss(micro: dict):
     )  # fmt: skip
 
 
+def gpu_kernels():
+    """The kernel choice whose code path is a GPU's: Megatron's own linear layers (not the CPU's oneDNN route,
+    `cpu_shims.OneDnnLinear`), grouped-query attention in the kernel, no whole masked rows."""
+    from yatt_ray.train.kernels import KernelChoice
+
+    return KernelChoice(linear="mkl", threads=torch.get_num_threads(), gqa="native", dense_rows=0, rates={})
+
+
 def micro_batch_counts(policy, micro: dict) -> OpCounter:
-    """The ops of one micro-batch's forward and backward through the trainer's own forward and GRPO loss."""
+    """The ops of one micro-batch's forward and backward through the trainer's own forward and GRPO loss, on
+    the GPU's code path (`gpu_kernels`)."""
     from yatt_ray.train.kernels import kernels_in_effect
 
     counter = OpCounter()
     batch = micro["batch"]
     policy.model.train()
-    with kernels_in_effect(None), counter:  # the default kernels, whatever an earlier measurement chose
+    with kernels_in_effect(gpu_kernels()), counter:
         logp, entropy = policy._forward(
             policy.model, batch["input_ids"], batch["attention_mask"], micro["group"]
         )
@@ -209,7 +224,7 @@ def step_syncs(policy, micro: dict, micro_batch_size: int) -> OpCounter:
     from yatt_ray.train.kernels import kernels_in_effect
 
     counter = OpCounter(device_state(policy))
-    with kernels_in_effect(None), counter:
+    with kernels_in_effect(gpu_kernels()), counter:
         policy.train_step(
             micro["batch"], grpo_loss(micro), micro_batch_size=micro_batch_size, group_size=micro["group"]
         )

@@ -3,25 +3,21 @@
 A packed row (`packing.SharedPrefixRows`) holds a group's shared body (b tokens, segment id 0) and then each
 sample's own tokens (segment j >= 1, n_j tokens). Its attention is, per sample j, plain causal attention over
 the sequence [body; segment j]: a body token sees the body before it, a segment token the whole body and its
-own segment up to itself. So the packed attention is S independent causal attentions, one per segment,
+own segment up to itself. So the packed attention is one causal attention over variable-length sequences
+(`varlen.varlen_attention`, one call a layer):
 
-    out[body]      = causal_attn(body)                        (taken from the row's first sequence)
-    out[segment j] = causal_attn([body; segment j])[b:]
+    the body:      queries = the body's b tokens,   keys = the body
+    segment j:     queries = segment j's n_j tokens, keys = [body; segment j]   (causal, bottom-right aligned)
 
-each a fused `scaled_dot_product_attention(..., is_causal=True)` call (flash attention on CUDA, the blocked
-flash kernel on CPU): memory O(sum_j (b + n_j)) per head instead of the dense path's O(L^2) mask and scores.
-The body's keys and values are gathered once per sequence (n copies of b tokens, linear in L); the body's
-queries are recomputed per sequence, b^2 / 2 score pairs each, against the n_j (b + n_j / 2) a segment needs.
+Queries are the packed rows as they are (the sequences tile them in order: no gather, no scatter of the output);
+keys and values are gathered once a layer into the sequences (the body's once per sequence that reads it:
+linear in L). On a GPU this is FlashAttention-2's variable-length kernel, on the CPU its stand-in by length
+buckets (`varlen.BucketPlan`); memory O(sum_j (b + n_j)) per head instead of the dense path's O(L^2) mask
+and scores.
 
 Short rows (up to a length measured per machine, `kernels.KernelChoice.dense_rows`) run instead as whole rows
 with their [G, 1, L, L] visibility mask in one masked kernel call: at tens of tokens a row that is faster than
 many tiny sequences, and its memory is bounded by that length.
-
-Sequences are batched into length buckets (`SegmentLayout.buckets`) so that one kernel call serves many
-sequences: each bucket is padded to its longest sequence. Padding sits after a sequence's real tokens, so a real
-query (causal) never sees it; padded queries' outputs are never read. A sequence joins a bucket while its
-length is >= `BUCKET_RATIO` of the bucket's longest or within `BUCKET_SLACK` tokens of it, which bounds the
-padded work per bucket.
 
 `shared_prefix_attention_class()` is the Megatron core-attention module that does this (the trainer's default, see
 `model.build_gpt_model`); Megatron's `DotProductAttention` with `SharedPrefixRows.attention_mask()` is the
@@ -38,57 +34,98 @@ import torch
 from torch import Tensor
 
 from yatt_ray.train.kernels import active_dense_rows, active_gqa, grouped_attention
+from yatt_ray.train.micro_batches import to_device
+from yatt_ray.train.varlen import BucketPlan, bucket_plan, bucketed_attention, varlen_attention
 
-BUCKET_RATIO = 0.85
-BUCKET_SLACK = 64
+HALF = (torch.float16, torch.bfloat16)  # what the CUDA flash kernel takes
 
 
 @dataclass(frozen=True)
 class SegmentLayout:
-    """Where each causal sequence of a packed batch [G, L] comes from, and where its outputs go.
+    """The causal sequences of a packed batch [G, L] (its positions flat, row after row: [G * L]), in the form
+    `varlen.varlen_attention` takes: sequence i's queries are positions cu_q[i]:cu_q[i+1]; its keys the
+    positions kv_index[cu_k[i]:cu_k[i+1]] (kv_index [T_k] long; cu_q, cu_k int32 [N + 1]); max_q / max_k the
+    longest. Every position is one sequence's query (padding: a sequence of its own, whose outputs nothing reads).
 
-    buckets: one long tensor [S_k, L_k] per bucket: flat indices into the [G * L] packed positions of each
-    sequence's tokens ([body; segment], then padding pointing at position 0). out_source [G * L] long: for each
-    packed position, the flat index into the concatenated bucket outputs (sum_k S_k * L_k of them) that holds
-    its attention output, or that total (a zero row) for padding positions.
+    Whole masked rows (the short-row form) instead have `visible` [G, 1, L, L] (and, flattened, `grid` and
+    `out_source`: see `flattened`); their sequence fields are empty.
     """
 
-    buckets: tuple[Tensor, ...]
-    out_source: Tensor
+    kv_index: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int = 0
+    max_k: int = 0
     visible: Tensor | None = None
     grid: Tensor | None = None
+    out_source: Tensor | None = None
 
     @functools.cached_property
-    def gather(self) -> Tensor:
-        """[sum_k S_k * L_k] every bucket's flat indices, bucket after bucket (made once per layout, read by
-        every layer)."""
-        return torch.cat([b.reshape(-1) for b in self.buckets])
+    def plan(self) -> BucketPlan:
+        """The CPU's length buckets of these sequences (made on first use, on the layout's device)."""
+        plan = bucket_plan(self.cu_q.cpu(), self.cu_k.cpu(), self.kv_index.cpu())
+        device = self.kv_index.device
+        grids = tuple((q.to(device), kv.to(device)) for q, kv in plan.grids)
+        return BucketPlan(grids, plan.out_cell.to(device))
 
     def to(self, device) -> SegmentLayout:
-        visible, grid = (None if t is None else t.to(device) for t in (self.visible, self.grid))
-        buckets = tuple(b.to(device) for b in self.buckets)
-        return SegmentLayout(buckets, self.out_source.to(device), visible, grid)
+        moved = (None if t is None else to_device(t, device) for t in (self.kv_index, self.cu_q, self.cu_k))
+        visible, grid, out_source = (
+            None if t is None else to_device(t, device) for t in (self.visible, self.grid, self.out_source)
+        )
+        return SegmentLayout(*moved, self.max_q, self.max_k, visible, grid, out_source)
 
     def flattened(self, real: Tensor, length: int | None = None) -> SegmentLayout:
         """This layout for its [G, L] rows' real positions (`real` [G, L] bool) laid end to end as one row of T
         tokens (`SharedPrefixRows.flat`), padded to `length` >= T tokens at the end (default T): the same
-        attention, indexed into the flat row; no token reads the padding.
+        attention, indexed into the flat row; no token reads the padding (a sequence of its own).
 
-        Buckets index the flat row; `out_source` [T'] keeps each real position's entry (padding: the zero row).
         Whole masked rows get `grid` [G * L]: the flat index each padded-row position reads (padding: any real
         one, never seen through the mask), and `out_source` [T'] = the padded-row position of each flat token
         (padding: position 0's output, which nothing downstream of a padding token reads)."""
         flat = real.reshape(-1)
         keep = torch.nonzero(flat).flatten()
-        pad = (len(keep) if length is None else length) - len(keep)
+        total = len(keep)
+        pad = (total if length is None else length) - total
         if pad < 0:
-            raise ValueError(f"length={length} is below the {len(keep)} real positions")
+            raise ValueError(f"length={length} is below the {total} real positions")
         rank = (torch.cumsum(flat, 0) - 1).clamp(min=0)  # a real position's place in the flat row
         if self.visible is not None:
-            return SegmentLayout((), torch.cat([keep, keep.new_zeros(pad)]), self.visible, rank)
-        zero_row = sum(b.numel() for b in self.buckets)
-        out_source = torch.cat([self.out_source[keep], keep.new_full((pad,), zero_row)])
-        return SegmentLayout(tuple(rank[b] for b in self.buckets), out_source)
+            empty = _empty_sequences()
+            return SegmentLayout(
+                *empty, visible=self.visible, grid=rank, out_source=torch.cat([keep, keep.new_zeros(pad)])
+            )
+        cu_q, cu_k = self.cu_q.tolist(), self.cu_k.tolist()
+        q_lengths, keys = [], []
+        for i in range(len(cu_q) - 1):
+            if flat[cu_q[i]]:  # a padding sequence of the rows has no place in the flat row
+                q_lengths.append(cu_q[i + 1] - cu_q[i])
+                keys.append(rank[self.kv_index[cu_k[i] : cu_k[i + 1]]])
+        if pad:
+            q_lengths.append(pad)
+            keys.append(torch.arange(total, total + pad))
+        return sequences_layout(q_lengths, keys)
+
+
+def _empty_sequences() -> tuple[Tensor, Tensor, Tensor]:
+    return (
+        torch.empty(0, dtype=torch.long),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+    )
+
+
+def sequences_layout(q_lengths: list[int], keys: list[Tensor]) -> SegmentLayout:
+    """The layout of sequences that tile the queries in order (sequence i: q_lengths[i] queries, the last of
+    its keys' positions `keys[i]`)."""
+
+    def cumulative(lengths: list[int]) -> Tensor:
+        return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+    k_lengths = [len(k) for k in keys]
+    return SegmentLayout(
+        torch.cat(keys), cumulative(q_lengths), cumulative(k_lengths), max(q_lengths), max(k_lengths)
+    )
 
 
 def visible_mask(segment: Tensor) -> Tensor:
@@ -113,51 +150,18 @@ def segment_layout(segment: Tensor, dense_up_to: int | None = None) -> SegmentLa
     seg = segment.cpu()
     rows, length = seg.shape
     if length <= (active_dense_rows() if dense_up_to is None else dense_up_to):
-        return SegmentLayout((), torch.empty(0, dtype=torch.long), visible_mask(seg))
-    body = (seg == 0).sum(1)  # [G]
-    where = torch.nonzero(seg > 0)  # [P, 2] (row, column), row-major: segments are contiguous runs
-    key = where[:, 0] * (int(seg.max()) + 1) + seg[where[:, 0], where[:, 1]]
-    _, counts = torch.unique_consecutive(key, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    row = where[starts, 0]
-    first_col = where[starts, 1]
-    first_of_row = torch.ones_like(row, dtype=torch.bool)
-    first_of_row[1:] = row[1:] != row[:-1]
-    seq_len = body[row] + counts
-    order = torch.argsort(seq_len, descending=True, stable=True)
-    out_source = torch.full((rows * length,), -1, dtype=torch.long)
-    buckets: list[Tensor] = []
-    offset = 0
-    for members in _bucket(order, seq_len):
-        width = int(seq_len[members[0]])
-        t = torch.arange(width)[None, :]
-        r = row[members][:, None]
-        b = body[r]
-        col = torch.where(t < b, t, first_col[members][:, None] + t - b)
-        real = t < seq_len[members][:, None]
-        flat = torch.where(real, r * length + col, torch.zeros_like(col))
-        buckets.append(flat)
-        # a segment position's output comes from its own sequence; a body position's from the row's first
-        writes = real & ((t >= b) | first_of_row[members][:, None])
-        out_index = offset + torch.arange(flat.numel()).view_as(flat)
-        out_source[flat[writes]] = out_index[writes]
-        offset += flat.numel()
-    out_source[out_source < 0] = offset
-    return SegmentLayout(tuple(buckets), out_source)
-
-
-def _bucket(order: Tensor, seq_len: Tensor) -> list[Tensor]:
-    """Sequences (indices in descending length `order`) cut into buckets; see the module docstring."""
-    buckets: list[list[int]] = []
-    top = 0
-    for i in order.tolist():
-        n = int(seq_len[i])
-        if buckets and (n >= BUCKET_RATIO * top or top - n <= BUCKET_SLACK):
-            buckets[-1].append(i)
-        else:
-            buckets.append([i])
-            top = n
-    return [torch.tensor(b, dtype=torch.long) for b in buckets]
+        return SegmentLayout(*_empty_sequences(), visible=visible_mask(seg))
+    q_lengths, keys = [], []
+    for r in range(rows):  # each run of one segment id is a sequence
+        ids, counts = torch.unique_consecutive(seg[r], return_counts=True)
+        start, body = r * length, None
+        for value, n in zip(ids.tolist(), counts.tolist()):
+            own = torch.arange(start, start + n)
+            body = own if value == 0 else body
+            keys.append(torch.cat([body, own]) if value > 0 and body is not None else own)
+            q_lengths.append(n)
+            start += n
+    return sequences_layout(q_lengths, keys)
 
 
 def packed_attention(
@@ -171,27 +175,30 @@ def packed_attention(
     length, rows, heads, dim = query.shape
     if layout.visible is not None:  # whole short rows, one masked call
         return _whole_rows(query, key, value, layout, scale)
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
 
-    def flat(x: Tensor) -> Tensor:  # [L, G, n, d] -> [G * L, n, d]
+    def flat(x: Tensor) -> Tensor:  # [L, G, n, d] -> [G * L, n, d] (a view for the trainer's one flat row)
         return x.transpose(0, 1).reshape(rows * length, x.shape[2], dim)
 
-    # every bucket's positions in one gather per tensor (its backward one index_add), split into the buckets
-    # as views (whose backward is one cat): the kernel launches do not grow with the bucket count but for the
-    # attention calls themselves
-    sizes = [index.numel() for index in layout.buckets]
-    gathered = (x.index_select(0, layout.gather).split(sizes) for x in (flat(query), flat(key), flat(value)))
-    outputs = []
-    for index, q, k, v in zip(layout.buckets, *gathered):
-        s, w = index.shape
-
-        def bucket(x: Tensor, s: int = s, w: int = w) -> Tensor:  # [S_k * L_k, n, d] -> [S_k, n, L_k, d]
-            return x.view(s, w, x.shape[1], dim).transpose(1, 2)
-
-        out = grouped_attention(bucket(q), bucket(k), bucket(v), scale, active_gqa())  # [S_k, h, L_k, d]
-        outputs.append(out.transpose(1, 2).reshape(s * w, heads * dim))
-    outputs.append(query.new_zeros(1, heads * dim))
-    out = torch.cat(outputs).index_select(0, layout.out_source)  # [G * L, h * d]
-    return out.view(rows, length, heads * dim).transpose(0, 1)
+    q = flat(query)
+    k, v = (flat(x).index_select(0, layout.kv_index) for x in (key, value))  # one gather a tensor
+    if q.is_cuda and q.dtype not in HALF:  # the flash kernel takes half precision only
+        out = bucketed_attention(q, k, v, layout.plan, scale, active_gqa())
+    else:
+        plan = None if q.is_cuda else layout.plan
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            layout.cu_q,
+            layout.cu_k,
+            layout.max_q,
+            layout.max_k,
+            scale,
+            plan,
+            active_gqa() == "expand",
+        )
+    return out.reshape(rows, length, heads * dim).transpose(0, 1)
 
 
 def _whole_rows(

@@ -1,4 +1,5 @@
-"""Copy-free RoPE and SwiGLU: the trainer's replacements for Megatron's unfused element-wise layer parts.
+"""Copy-free RoPE and SwiGLU, one-operator RMSNorm: the trainer's replacements for Megatron's unfused element-wise
+layer parts.
 
 Both write each half of their output (or gradient) in place where Megatron's unfused code concatenates, and
 `install()` routes Megatron's layers through them (idempotent; anything they do not cover goes to Megatron's own
@@ -28,6 +29,16 @@ recomputed in backward: less memory than the saved silu(a) and b of the unfused 
 
 into the halves of one gradient tensor. Megatron reaches it through its `bias_activation_fusion` branch
 (`transformer_config` sets it), with no bias.
+
+RMSNorm. y = x r w with r = (mean(x^2) + eps)^-1/2 over the last dimension (in fp32 for half inputs), and
+
+    dx = r (g w - x r mean(g w x r)),   dw = sum over tokens of g x r.
+
+`rms_norm` is one torch operator each way (`yatt_ray::rms_norm`, `yatt_ray::rms_norm_backward`): on CUDA torch's
+fused kernels (`aten::_fused_rms_norm` and its backward, what `torch.nn.RMSNorm` itself reaches there), on the
+CPU the formulas above in a few vector ops (torch's CPU path decomposes into ~20 autograd-recorded ops). `install`
+has nothing to patch for it: `use_fused_norms(model)` turns a built model's `torch.nn.RMSNorm` modules (Megatron's
+local spec) into `RMSNorm`, same parameters.
 """
 
 from __future__ import annotations
@@ -39,11 +50,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
-    """y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1 is the inverse rotation, the backward)."""
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float, out: Tensor | None = None) -> Tensor:
+    """y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1 is the inverse rotation, the backward), into
+    `out` when given (x and out may be strided views)."""
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     y1, y2 = out[..., :h], out[..., h:]
     torch.mul(x1, cos[..., :h], out=y1)
     y1.addcmul_(x2, sin[..., :h], value=-sign)
@@ -52,11 +64,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
     return out
 
 
-def _rotate_grad(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1."""
+def _rotate_grad(g: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
+    """dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1 (into `out` when given)."""
     h = g.shape[-1] // 2
     g1, g2 = g[..., :h], g[..., h:]
-    out = torch.empty_like(g)
+    out = torch.empty_like(g) if out is None else out
     d1, d2 = out[..., :h], out[..., h:]
     torch.mul(g1, cos[..., :h], out=d1)
     d1.addcmul_(g2, sin[..., h:])
@@ -116,6 +128,50 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
     return rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens, mscale, cp_group)
 
 
+class _QkvRotary(torch.autograd.Function):
+    """RoPE of the query and key heads read straight from fc_qkv's output (see `apply_fused_qkv_rotary_pos_emb`)."""
+
+    @staticmethod
+    def forward(ctx, mixed: Tensor, cos: Tensor, sin: Tensor):
+        sq, b, groups, width = mixed.shape
+        dim = cos.shape[-1]
+        per_group = width // dim - 2  # query heads a group
+        heads = mixed.view(sq, b, groups, per_group + 2, dim)
+        query = mixed.new_empty(sq, b, groups, per_group, dim)
+        _rotate(heads[:, :, :, :per_group], cos[:, :, :, None], sin[:, :, :, None], 1.0, out=query)
+        key = _rotate(heads[:, :, :, per_group], cos, sin, 1.0)
+        ctx.save_for_backward(cos, sin)
+        ctx.per_group = per_group
+        return query.view(sq, b, groups * per_group, dim), key, heads[:, :, :, per_group + 1]
+
+    @staticmethod
+    def backward(ctx, grad_query: Tensor, grad_key: Tensor, grad_value: Tensor):
+        cos, sin = ctx.saved_tensors
+        r = ctx.per_group
+        sq, b, groups, dim = grad_key.shape
+        grad = grad_key.new_empty(sq, b, groups, r + 2, dim)
+        _rotate_grad(
+            grad_query.view(sq, b, groups, r, dim), cos[:, :, :, None], sin[:, :, :, None], grad[:, :, :, :r]
+        )
+        _rotate_grad(grad_key, cos, sin, grad[:, :, :, r])
+        grad[:, :, :, r + 1].copy_(grad_value)
+        return grad.view(sq, b, groups, (r + 2) * dim), None, None
+
+
+def apply_fused_qkv_rotary_pos_emb(mixed_qkv: Tensor, q_freqs: Tensor, k_freqs: Tensor, split_arg_list):
+    """Megatron's single-QKV RoPE hook (`fused_single_qkv_rope`, otherwise Transformer Engine's): fc_qkv's output
+    [sq, b, g, (r + 2) d] (per group of g: r query heads, a key, a value) -> query [sq, b, g r, d] and key
+    [sq, b, g, d] rotated, value [sq, b, g, d] (a view). RoPE reads the query heads where they lie: no copy of
+    them into [sq, b, g r, d] before rotating (Megatron's split path makes one), and the backward writes the
+    three gradients into one fc_qkv-shaped tensor (no concatenation)."""
+    if q_freqs is not k_freqs and not torch.equal(q_freqs, k_freqs):
+        raise ValueError("the single-QKV RoPE takes one set of angles for queries and keys (self-attention)")
+    dim = q_freqs.shape[-1]
+    if split_arg_list[1:] != [dim, dim] or mixed_qkv.shape[-1] != sum(split_arg_list) or dim % 2:
+        raise ValueError(f"fc_qkv's split {split_arg_list} is not [r * {dim}, {dim}, {dim}] (r query heads)")
+    return _QkvRotary.apply(mixed_qkv, *rope_tables(q_freqs, mixed_qkv.dtype))
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -148,9 +204,86 @@ def bias_swiglu_impl(input, bias, fp8_input_store: bool = False, cpu_offload_inp
     return fused_bias_swiglu.bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+@torch.library.custom_op("yatt_ray::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y, r): y [..., H] in x's dtype, r [..., 1] (fp32 for half x)."""
+    if x.is_cuda:
+        return torch._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+    wide = x.float() if x.dtype in HALF else x
+    rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True).add_(eps))
+    return (wide * rstd).mul_(weight).to(x.dtype), rstd  # as torch's own: the weight applied before rounding
+
+
+@_rms_norm.register_fake
+def _(x, weight, eps):
+    rstd_dtype = torch.float32 if x.dtype in HALF else x.dtype
+    return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], 1), dtype=rstd_dtype)
+
+
+@torch.library.custom_op("yatt_ray::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(grad: Tensor, x: Tensor, rstd: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of `_rms_norm`'s y given its gradient `grad`."""
+    if x.is_cuda:
+        return torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, [True, True])
+    wide = lambda t: t.float() if t.dtype in HALF else t  # noqa: E731
+    xhat = wide(x) * rstd
+    dw = (wide(grad) * xhat).reshape(-1, x.shape[-1]).sum(0)
+    gw = wide(grad) * wide(weight)
+    dx = (gw - xhat * (gw * xhat).mean(-1, keepdim=True)).mul_(rstd)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+@_rms_norm_backward.register_fake
+def _(grad, x, rstd, weight):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _norm_setup(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _norm_backward(ctx, grad, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward(grad, x, rstd, weight)
+    return dx, dw, None
+
+
+_rms_norm.register_autograd(_norm_backward, setup_context=_norm_setup)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [..., H] with weight [H] (see the module docstring): one operator forward, one backward."""
+    return _rms_norm(x, weight, eps)[0]
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """`torch.nn.RMSNorm` (same parameters and state dict) through `rms_norm`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight is None or len(self.normalized_shape) != 1:
+            return super().forward(x)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return rms_norm(x, self.weight, eps)
+
+
+def use_fused_norms(model: torch.nn.Module) -> None:
+    """Every `torch.nn.RMSNorm` module of `model` becomes an `RMSNorm` (in place; its parameters unchanged)."""
+    for module in model.modules():
+        if type(module) is torch.nn.RMSNorm:
+            module.__class__ = RMSNorm
+
+
 def install() -> None:
-    """Route Megatron's attention RoPE and MLP SwiGLU through this module (idempotent)."""
+    """Route Megatron's attention RoPE (single-QKV where the config asks, `fused_single_qkv_rope`) and MLP SwiGLU
+    through this module (idempotent)."""
     from megatron.core.transformer import attention, mlp
 
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+    attention.apply_fused_qkv_rotary_pos_emb = apply_fused_qkv_rotary_pos_emb
+    attention.HAVE_FUSED_QKV_ROPE = True
     mlp.bias_swiglu_impl = bias_swiglu_impl

@@ -122,6 +122,9 @@ def transformer_config(shape: LlamaShape, tp_size: int, dtype: torch.dtype = tor
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        # RoPE straight from fc_qkv's output (`fused.apply_fused_qkv_rotary_pos_emb`); not with per-head q/k norms
+        # or query groups split over TP ranks, which need the split heads first
+        fused_single_qkv_rope=not shape.qk_norm and tp_size <= shape.num_kv_heads,
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,
         # RoPE at given positions (packing.pack_shared_prefix places tokens off their column): Megatron's
@@ -181,6 +184,7 @@ def build_gpt_model(
         rotary_percent=1.0,
     )
     model = model.to(dtype)  # what Megatron's Float16Module does: the local spec's torch norms are built fp32
+    fused.use_fused_norms(model)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     rope = model.rotary_pos_emb

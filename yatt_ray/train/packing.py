@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from yatt_ray.train.attention import SegmentLayout, segment_layout, visible_mask
+from yatt_ray.train.micro_batches import to_device
 
 PAD_SEGMENT = -1
 
@@ -140,7 +141,11 @@ class SharedPrefixRows:
         return lookup[index.cpu()]
 
     def to(self, device) -> SharedPrefixRows:
-        moved = {k: v.to(device) for k, v in vars(self).items() if v is not None}
+        moved = {
+            k: v.to(device) if isinstance(v, SegmentLayout) else to_device(v, device)
+            for k, v in vars(self).items()
+            if v is not None
+        }
         return SharedPrefixRows(**moved)
 
     @property

@@ -23,6 +23,7 @@ from yatt_ray.model_shape import LlamaShape
 from yatt_ray.train import qwen_vl
 from yatt_ray.train.hf_convert import StateDict, hf_to_megatron, megatron_to_hf
 from yatt_ray.train.logprobs import head_logprobs_and_entropy
+from yatt_ray.train.micro_batches import to_device
 from yatt_ray.train.model import (
     build_gpt_model,
     forward_packed,
@@ -245,7 +246,7 @@ class MegatronPolicy(MegatronTrainerBase):
         width = int(encoder.config.text_config.hidden_size)
         flat = torch.zeros(row_start[-1], width, device=self.device)
         if not leaders:
-            return flat[index.to(self.device)]
+            return flat[to_device(index, self.device)]
         prompt_of = image_prompt.cpu().tolist()
         prompts = sorted({prompt_of[r] for r in leaders})
         chosen = images.select(prompts)
@@ -262,9 +263,9 @@ class MegatronPolicy(MegatronTrainerBase):
                 )
             spans.append(torch.arange(row_start[r], row_start[r] + per_row[r]))
             picks.append(torch.arange(at[g], at[g] + per_row[r]))
-        rows = torch.cat(spans).to(self.device)
-        flat = flat.index_put((rows,), features[torch.cat(picks).to(features.device)].to(flat.dtype))
-        return flat[index.to(self.device)]
+        rows = to_device(torch.cat(spans), self.device)
+        flat = flat.index_put((rows,), features[to_device(torch.cat(picks), features.device)].to(flat.dtype))
+        return flat[to_device(index, self.device)]
 
     def _mrope(self, encoder, packed, input_ids, attention_mask, image_prompt, images) -> torch.Tensor:
         """[3, G, L] M-RoPE positions of `packed` (`qwen_vl.packed_positions`) from each row's real tokens and
@@ -399,10 +400,10 @@ def load_language_model_weights(model, model_dir: str | Path, shape: LlamaShape)
 
 def _encode(encoder: Encoder, images: PromptImages, device) -> torch.Tensor:
     """Features [tokens, D] of every image of `images`, in order."""
-    values = images.values.to(device)
+    values = to_device(images.values, device)
     if isinstance(encoder, qwen_vl.QwenVisionEncoder):
         assert images.grid is not None, "Qwen VL images come with their image_grid_thw"
-        return encoder(values, images.grid.to(device))
+        return encoder(values, to_device(images.grid, device))
     features = encoder(values)  # [I, P, D]
     return features.reshape(-1, features.shape[-1])
 
