@@ -8,7 +8,8 @@ Measured (definitions in `yatt_ray.testing.gpu_proxies`):
   - ops_per_layer: kernel-launching ops of one decoder layer, forward + backward, over one GRPO micro-batch of
     --tokens tokens (groups of 8 samples of a 256-token prompt, long-tailed response lengths) through the
     trainer's own forward (`MegatronPolicy._forward`: packed attention, log-probs from the hidden states) and the
-    library's GRPO loss (`step.policy_loss_fn`): the
+    library's GRPO loss (`step.policy_loss_fn`), on the GPU's code path (`gpu_proxies.gpu_kernels`: Megatron's own
+    linear layers, not the CPU's oneDNN route): the
     count of a 2-layer model less a 1-layer one's, at each shape's widths (heads, kv heads, hidden, MLP) with
     the vocabulary cut to 1,024 (the output layer is not a layer); the largest over the shapes.
   - host_syncs_per_step: ops that would make a GPU wait, in one whole `train_step` (two micro-batches, the

@@ -3,6 +3,7 @@
     python release/bench_train_mfu.py                              # Qwen2.5-0.5B's shape, bf16, 64 x 1024 tokens
     python release/bench_train_mfu.py --micro-batch-size 8 --steps 10
     python release/bench_train_mfu.py --dtype fp32 --rows 16       # fp32 weights (tf32 only if torch allows it)
+    python release/bench_train_mfu.py --preset qwen2-1.5b          # Qwen2.5-1.5B's shape, 16k-token micro-batches
     python release/bench_train_mfu.py --preset tiny                # seconds on a CPU (what the test runs)
 
 What runs: one process, a world of size 1 (torch.distributed with an in-memory store; "cpu:gloo,cuda:nccl"
@@ -11,6 +12,8 @@ lr=1e-5)` (Megatron GPTModel, local layer spec, Megatron DDP, AdamW on fp32 main
 Face directory of random weights (seed 0, `Qwen2ForCausalLM`, written under a temp dir or --out):
   - qwen2-0.5b: Qwen2.5-0.5B's shape: hidden 896, 24 layers, 14 heads / 2 kv heads (head_dim 64), MLP 4864,
     vocab 151936, tied embeddings, q/k/v biases, rope_theta 1e6;
+  - qwen2-1.5b: Qwen2.5-1.5B's shape: hidden 1536, 28 layers, 12 heads / 2 kv heads (head_dim 128), MLP 8960,
+    vocab 151936, tied embeddings, q/k/v biases; micro-batches of 16 rows (16,384 tokens) by default;
   - tiny: the same family at hidden 64, 2 layers, 4 heads / 2 kv heads, MLP 176, vocab 512.
 Each step is one `train_step` (an optimizer step) over --rows random sequences of exactly --length tokens (no
 padding, group_size 1), in micro-batches of --micro-batch-size rows, with a policy-gradient-like loss (random
@@ -69,6 +72,8 @@ class Preset:
 PRESETS = {
     # Qwen2.5-0.5B (config.json of Qwen/Qwen2.5-0.5B): ~494M parameters, 136M of them the tied embedding
     "qwen2-0.5b": Preset(896, 24, 14, 2, 4864, 151936, 32768, rows=64, length=1024, micro_batch_size=4),
+    # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B): ~1.54B parameters, 233M of them the tied embedding
+    "qwen2-1.5b": Preset(1536, 28, 12, 2, 8960, 151936, 32768, rows=64, length=1024, micro_batch_size=16),
     "tiny": Preset(64, 2, 4, 2, 176, 512, 512, rows=8, length=64, micro_batch_size=4),
 }
 SEED = 0

@@ -114,19 +114,35 @@ def test_single_qkv_rope_equals_megatrons_split_then_rotate():
         fused.apply_fused_qkv_rotary_pos_emb(mixed, freqs, freqs, [per_group * dim, dim, 2 * dim])
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 0.0)])
-def test_rms_norm_operator_equals_torchs_rmsnorm(dtype, tol):
-    """One operator each way (`yatt_ray::rms_norm` / `_backward`), the values and gradients of
-    torch.nn.RMSNorm (bf16: bit for bit in the forward; the gradients as close to float64 as torch's own)."""
+CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu_check.sh)"),
+]
+
+
+@pytest.mark.parametrize(
+    "device,dtype,tol",
+    [
+        ("cpu", torch.float64, 1e-12),
+        ("cpu", torch.float32, 1e-5),
+        ("cpu", torch.bfloat16, 0.0),
+        pytest.param("cuda", torch.float32, 1e-5, marks=CUDA),
+        pytest.param("cuda", torch.bfloat16, 0.0, marks=CUDA),
+    ],
+)
+def test_rms_norm_operator_equals_torchs_rmsnorm(device, dtype, tol):
+    """One operator each way (`yatt_ray::rms_norm` / `_backward`: torch's fused kernels on CUDA), the values
+    and gradients of torch.nn.RMSNorm (bf16: bit for bit in the forward; the gradients as close to float64 as
+    torch's own)."""
     from yatt_ray.testing.gpu_proxies import OpCounter
 
     g = torch.Generator().manual_seed(4)
-    ref = torch.nn.RMSNorm(16, eps=1e-6, dtype=dtype)
+    ref = torch.nn.RMSNorm(16, eps=1e-6, dtype=dtype, device=device)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(16, generator=g))
-    x = torch.randn(9, 2, 16, generator=g).to(dtype).requires_grad_()
-    grad = torch.randn(9, 2, 16, generator=g).to(dtype)
-    ours = torch.nn.RMSNorm(16, eps=1e-6, dtype=dtype)
+    x = torch.randn(9, 2, 16, generator=g).to(device, dtype).requires_grad_()
+    grad = torch.randn(9, 2, 16, generator=g).to(device, dtype)
+    ours = torch.nn.RMSNorm(16, eps=1e-6, dtype=dtype, device=device)
     ours.load_state_dict(ref.state_dict())
     fused.use_fused_norms(torch.nn.Sequential(ours))
     assert isinstance(ours, fused.RMSNorm) and list(ours.state_dict()) == ["weight"]

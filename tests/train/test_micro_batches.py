@@ -109,3 +109,24 @@ def test_mini_batches_are_whole_groups_covering_every_row_once(groups, size, cou
 def test_mini_batches_refuse_partial_groups():
     with pytest.raises(ValueError, match="whole groups"):
         mini_batch_rows(10, 4, 2)
+
+
+def test_to_device_keeps_host_tensors_on_the_host_and_values_on_the_way():
+    from yatt_ray.train.micro_batches import to_device
+
+    host = torch.arange(6).view(2, 3)[:, 1:]  # a strided view, as a micro-batch slice can be
+    assert (
+        to_device(host, "cpu") is host
+    )  # nothing to move (and no pinning: a CPU build has no pinned memory)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (release/gpu_check.sh runs it there)")
+def test_to_device_copies_to_a_gpu_without_blocking_the_host():
+    """Pinned and non-blocking: the values arrive (read after the stream's work), strided sources too."""
+    from yatt_ray.train.micro_batches import to_device
+
+    host = torch.arange(12).view(3, 4)[:, ::2]
+    moved = to_device(host, "cuda")
+    assert moved.device.type == "cuda" and torch.equal(moved.cpu(), host)
+    assert to_device(moved, "cuda") is moved

@@ -13,7 +13,9 @@ peak memory (`release/bench_gpu_ready.py` prints them; tests bound them).
   followed from seeds (the weights, their gradient buffers, the optimizer's state): an op with an input on the
   device puts its outputs there. The host-side packing's own index work is not counted (on a GPU it stays on
   the host); values uploaded to the device and read back without touching a weight are missed, and a
-  `.tolist()` / `.numpy()` of a device value is seen only on a GPU: a floor for those.
+  `.tolist()` / `.numpy()` of a device value is seen only on a GPU: a floor for those. Host-to-device copies
+  are not seen either (a CPU's `.to("cpu")` dispatches nothing); a blocking one waits for the GPU, which is why
+  the trainer's go pinned and non-blocking (`train.micro_batches.to_device`).
 - The log-probs' peak is measured with fake tensors (`FakeTensorMode`: shapes and dtypes, no data) and torch's
   `MemTracker`, at a GPU's chunk size: the peak of one forward + backward less what any form of the loss holds
   (the hidden states, the output weight and their gradients).
