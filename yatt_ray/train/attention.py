@@ -185,19 +185,11 @@ def packed_attention(
     if q.is_cuda and q.dtype not in HALF:  # the flash kernel takes half precision only
         out = bucketed_attention(q, k, v, layout.plan, scale, active_gqa())
     else:
-        plan = None if q.is_cuda else layout.plan
+        plan = [] if q.is_cuda else layout.plan.flat()
+        gqa = active_gqa() == "expand"
         out = varlen_attention(
-            q,
-            k,
-            v,
-            layout.cu_q,
-            layout.cu_k,
-            layout.max_q,
-            layout.max_k,
-            scale,
-            plan,
-            active_gqa() == "expand",
-        )
+            q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale, plan, gqa
+        )[0]
     return out.reshape(rows, length, heads * dim).transpose(0, 1)
 
 

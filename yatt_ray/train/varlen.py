@@ -91,29 +91,8 @@ def _buckets(order: list[int], lengths: list[int]) -> list[Tensor]:
     return [torch.tensor(b, dtype=torch.long) for b in buckets]
 
 
-def varlen_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
-    scale: float,
-    plan: BucketPlan | None = None,
-    expand_gqa: bool = False,
-) -> Tensor:
-    """q [T, h, d], k / v [T_k, g, d] -> [T, h, d]; see the module docstring. cu_q / cu_k int32 [N + 1] on q's
-    device; `plan`: the CPU's buckets (needed on the CPU only); `expand_gqa`: the CPU kernel gets k / v repeated
-    to h heads (`kernels.GQA` "expand") instead of grouped."""
-    if not q.is_cuda and plan is None:
-        raise ValueError("varlen_attention on the CPU needs its BucketPlan (bucket_plan(cu_q, cu_k, ...))")
-    cpu_plan = [] if q.is_cuda else plan.flat()
-    return _attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, cpu_plan, expand_gqa)[0]
-
-
 @torch.library.custom_op("yatt_ray::varlen_attention", mutates_args=())
-def _attention(
+def varlen_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -125,8 +104,10 @@ def _attention(
     plan: list[Tensor],
     expand_gqa: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [T, h, d], then what the backward reads: CUDA the log-sum-exp [h, T] and the RNG state; CPU every
-    bucket's log-sum-exp, flat, and every cell's output [C, h, d])."""
+    """q [T, h, d], k / v [T_k, g, d] -> (out [T, h, d], then what the backward reads: CUDA the log-sum-exp
+    [h, T] and the RNG state; CPU every bucket's log-sum-exp, flat, and every cell's output [C, h, d]); see the
+    module docstring. cu_q / cu_k int32 [N + 1] on q's device; `plan`: the CPU's buckets (`BucketPlan.flat()`;
+    empty on CUDA); `expand_gqa`: the CPU kernel gets k / v repeated to h heads (`kernels.GQA` "expand")."""
     if q.is_cuda:
         out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
@@ -149,7 +130,7 @@ def _attention(
     return cells.index_select(0, plan[-1]), torch.cat(lses), cells
 
 
-@_attention.register_fake
+@varlen_attention.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, plan, expand_gqa):
     heads, dim = q.shape[1:]
     if q.device.type == "cuda":
@@ -188,7 +169,7 @@ def _attention_backward(
     plan: list[Tensor],
     expand_gqa: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of `_attention`'s output given its gradient `grad` [T, h, d]."""
+    """(dq, dk, dv) of `varlen_attention`'s output given its gradient `grad` [T, h, d]."""
     if q.is_cuda:
         return torch.ops.aten._flash_attention_backward(
             grad.contiguous(), q, k, v, out, aux_a, cu_q, cu_k, max_q, max_k, 0.0, True, aux_b,
@@ -242,7 +223,7 @@ def _backward(ctx, grad, _grad_a, _grad_b):
     return dq, dk, dv, None, None, None, None, None, [None] * len(plan), None
 
 
-_attention.register_autograd(_backward, setup_context=_setup_context)
+varlen_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def bucketed_attention(
