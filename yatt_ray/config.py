@@ -145,7 +145,7 @@ class RolloutConfig(_Section):
     top_p: float = 1.0
     weight_sync_bucket_mb: float = 64  # MiB a bucket of a weight push (a larger tensor: a bucket of its own)
     # engine actors (placement.rollout_engines): how weights reach them; auto = the object store on the
-    # pusher's node, a broadcast group (gloo / NCCL) to other nodes
+    # pusher's node, a broadcast group to other nodes (NCCL between GPUs, gloo over host copies otherwise)
     weight_transport: WeightTransport = "auto"
     # vLLM's KV cache per engine in GiB (on a CPU, resident host memory); the hf engine ignores it. null: on GPUs
     # vLLM sizes it from gpu_memory_utilization (what is left of that part of the GPU after the weights), on

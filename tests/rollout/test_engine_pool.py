@@ -19,6 +19,7 @@ from yatt_ray.rollout.pool import (
     EngineHandles,
     EnginePool,
     EngineRouter,
+    group_backend,
     spread,
     start_engine_pool,
     stop_engine_pool,
@@ -68,6 +69,12 @@ def test_router_assigns_least_loaded_and_releases():
     assert router.loads() == [5, 0, 6]
 
 
+def test_the_broadcast_group_is_nccl_only_between_gpus():
+    assert group_backend(True, [True, True]) == "nccl"  # trainer GPU -> engine GPUs: device to device
+    assert group_backend(True, [True, False]) == "gloo"  # one CPU engine: the whole group over host copies
+    assert group_backend(False, [True]) == "gloo" and group_backend(True, []) == "gloo"
+
+
 @pytest.mark.parametrize("transport", ["object_store", "broadcast"])
 def test_weights_reach_every_engine_and_prompts_spread(engines, hf_models, transport):
     """After a push of the new weights every engine answers as the new model does, whichever took a prompt."""
@@ -79,6 +86,7 @@ def test_weights_reach_every_engine_and_prompts_spread(engines, hf_models, trans
     assert ray.get(engines.router.loads.remote()) == [0, 0]  # every sub-request released its load
     versions = ray.get([e.info.remote() for e in engines.engines])
     assert [v["version"] for v in versions] == [pool.tag, pool.tag]
+    assert pool._backend == "gloo" and not any(v["cuda"] for v in versions)  # CPU engines: host copies
     _push(pool, hf_models[0])  # back to the old weights for the next test
     out = complete(pool.generate(GenerateRequest(PROMPTS, GREEDY)))
     assert [o[0].token_ids for o in out] == [reference_greedy(hf_models[0], p, 6) for p in PROMPTS]

@@ -13,8 +13,9 @@ engine.
 - Weights: after a train step the controller of data-parallel group 0 pushes the policy to every engine, in
   buckets, and every controller moves to the new weight version. An engine on the pusher's node reads each
   bucket from the node's object store (one `ray.put`, shared memory); engines on other nodes receive it through
-  a gloo broadcast group from the pusher (host copies of the weights; an NCCL group between GPUs is not wired
-  yet), one flat buffer per dtype a bucket. `rollout.weight_transport` forces either. An engine never shares
+  a broadcast group from the pusher, one flat buffer per dtype a bucket: NCCL from the trainer's GPU to the
+  engines' when both sides have CUDA (`group_backend`; the weights never pass through a host), gloo over host
+  copies otherwise. `rollout.weight_transport` forces either. An engine never shares
   the trainer's accelerator here (that is the in-process engine's case, where weights move in memory). A push
   that arrives while a request runs is applied between two of its decode steps (`InFlightWeights`); the
   request's unfinished samples continue under the new weights, each token labelled with its version.
@@ -122,6 +123,7 @@ class EngineActor:
         self.weight_timeout_s = weight_timeout_s
         self.group: Any = None
         self.store: Any = None
+        self.group_device = "cpu"  # where broadcast buckets land: "cuda" in an NCCL group
         self.staged: list[Bucket] = []  # buckets received through the broadcast group, not applied yet
         self.missed: Tag | None = None  # a broadcast push that failed here: requests for it bounce at once
         # pushes not applied yet, oldest first: the newest only, unless `ordered`
@@ -152,6 +154,7 @@ class EngineActor:
             "batched_requests": self.batched_requests,
             "receiving": self.receiving,
             "takes_image_features": bool(getattr(self.engine, "takes_image_features", False)),
+            "cuda": torch.cuda.is_available(),  # a GPU engine: an NCCL broadcast group can reach it
         }
 
     def generate(
@@ -359,21 +362,27 @@ class EngineActor:
             self.ready.notify_all()
 
     @ray.method(concurrency_group="control")
-    def join_group(self, host: str, port: int, rank: int, size: int, prefix: str) -> None:
-        """Join the pusher's broadcast group as `rank` (blocks until every member joined); a group joined
-        before is left (its pusher formed a new one)."""
+    def join_group(
+        self, host: str, port: int, rank: int, size: int, prefix: str, backend: str = "gloo"
+    ) -> None:
+        """Join the pusher's broadcast group (`backend` gloo or nccl) as `rank` (blocks until every member
+        joined); a group joined before is left (its pusher formed a new one)."""
         import torch.distributed as dist
 
         self.staged, self.group = [], None
         self.store = dist.TCPStore(host, port, size, False, timeout=GROUP_TIMEOUT)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, size, GROUP_TIMEOUT)
+        self.group = _process_group(backend, dist.PrefixStore(prefix, self.store), rank, size)
+        self.group_device = "cuda" if backend == "nccl" else "cpu"
 
     @ray.method(concurrency_group="control")
     def receive(self, meta: list[tuple[str, tuple[int, ...], str]]) -> None:
         """One bucket through the broadcast group: `meta` names each tensor's shape and dtype, in order."""
         if self.group is None:
             raise YattError("rollout engine: a broadcast bucket arrived before this engine joined the group")
-        buffers = {dt: torch.empty(n, dtype=getattr(torch, dt)) for dt, n in _flat_sizes(meta).items()}
+        buffers = {
+            dt: torch.empty(n, dtype=getattr(torch, dt), device=self.group_device)
+            for dt, n in _flat_sizes(meta).items()
+        }
         self.receiving += 1
         try:
             for buffer in buffers.values():
@@ -530,6 +539,7 @@ class EnginePool:
         self.last_aborted = 0
         self.stats = dict.fromkeys(STATS, 0.0)
         self._group_members: list[int] = []  # engines on the broadcast group (pusher only)
+        self._backend = "gloo"  # the broadcast group's (`group_backend`)
         self._group: Any = None
         self._store: Any = None
         self._pids = [i["pid"] for i in infos]  # each engine's process as this controller last knew it
@@ -676,9 +686,9 @@ class EnginePool:
         if not self._syncing:  # the push's first bucket: the previous push applied, every engine up
             self._check_engines()
             self._syncing = True
-        bucket = [(name, t.detach().cpu()) for name, t in named_tensors]
-        if len(self._broadcast_members()) < len(self.engines):
-            self._buckets.append(ray.put(bucket))  # once: every engine on the node reads the same object
+        bucket = [(name, t.detach()) for name, t in named_tensors]
+        if len(self._broadcast_members()) < len(self.engines):  # once: every engine on the node reads it
+            self._buckets.append(ray.put([(name, t.cpu()) for name, t in bucket]))
         if self._group_members and not self._push_failed:
             self._push_by_broadcast(bucket)
 
@@ -732,7 +742,11 @@ class EnginePool:
                 i for i, node in enumerate(self.nodes) if self.transport == "broadcast" or node != here
             ]
             if members:
-                self._group, self._store = _form_group([self.engines[i] for i in members])
+                infos = [ray.get(self.engines[i].info.remote()) for i in members]
+                self._backend = group_backend(
+                    torch.cuda.is_available(), [info.get("cuda", False) for info in infos]
+                )
+                self._group, self._store = _form_group([self.engines[i] for i in members], self._backend)
             self._group_members = members
             self._group_pids = [self._pids[i] for i in members]
         return self._group_members
@@ -743,7 +757,8 @@ class EnginePool:
         meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
         refs = [self.engines[i].receive.remote(meta) for i in self._group_members]
         try:
-            for buffer in _flatten(bucket).values():
+            device = "cuda" if self._backend == "nccl" else "cpu"
+            for buffer in _flatten([(name, t.to(device)) for name, t in bucket]).values():
                 _broadcast(self._group, buffer)
             ray.get(refs, timeout=GROUP_TIMEOUT.total_seconds())
         except Exception as exc:  # noqa: BLE001  (gloo's errors are RuntimeErrors; Ray's, RayErrors)
@@ -838,16 +853,34 @@ def _wait_until_up(actor: Any, timeout_s: float = 600.0) -> dict[str, Any]:
             time.sleep(0.2)  # restarting: ask again shortly
 
 
-def _form_group(members: list[Any]) -> tuple[Any, Any]:
-    """A gloo group: this process (rank 0, the store's host) and `members` (ranks 1..)."""
+def group_backend(pusher_cuda: bool, members_cuda: list[bool]) -> str:
+    """The broadcast group's backend: "nccl" (device to device) when the pusher and every member have a GPU,
+    else "gloo" (host copies)."""
+    return "nccl" if pusher_cuda and members_cuda and all(members_cuda) else "gloo"
+
+
+def _process_group(backend: str, store: Any, rank: int, size: int) -> Any:
+    import torch.distributed as dist
+
+    if backend == "nccl":  # on this process's current GPU; NCCL connects at the first broadcast
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = GROUP_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
+
+
+def _form_group(members: list[Any], backend: str = "gloo") -> tuple[Any, Any]:
+    """A broadcast group of `backend`: this process (rank 0, the store's host) and `members` (ranks 1..)."""
     import torch.distributed as dist
 
     host = ray.util.get_node_ip_address()
     size = len(members) + 1
     store = dist.TCPStore(host, 0, size, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
     prefix = f"engines-{socket.gethostname()}-{store.port}"
-    joins = [m.join_group.remote(host, store.port, r + 1, size, prefix) for r, m in enumerate(members)]
-    group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 0, size, GROUP_TIMEOUT)
+    joins = [
+        m.join_group.remote(host, store.port, r + 1, size, prefix, backend) for r, m in enumerate(members)
+    ]
+    group = _process_group(backend, dist.PrefixStore(prefix, store), 0, size)
     ray.get(joins)
     return group, store  # the store must live as long as the group
 
