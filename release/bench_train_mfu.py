@@ -3,7 +3,7 @@
     python release/bench_train_mfu.py                              # Qwen2.5-0.5B's shape, bf16, 64 x 1024 tokens
     python release/bench_train_mfu.py --micro-batch-size 8 --steps 10
     python release/bench_train_mfu.py --dtype fp32 --rows 16       # fp32 weights (tf32 only if torch allows it)
-    python release/bench_train_mfu.py --preset qwen2-1.5b          # Qwen2.5-1.5B's shape, 16k-token micro-batches
+    python release/bench_train_mfu.py --preset qwen2-1.5b --max-tokens 16384   # micro-batches by a token budget
     python release/bench_train_mfu.py --preset tiny                # seconds on a CPU (what the test runs)
 
 What runs: one process, a world of size 1 (torch.distributed with an in-memory store; "cpu:gloo,cuda:nccl"
@@ -155,6 +155,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def micro_batching(args: argparse.Namespace) -> dict:
+    """`train_step`'s micro-batch arguments: a token budget (--max-tokens) or rows (--micro-batch-size)."""
+    if args.max_tokens:
+        return {"max_tokens_per_micro_batch": args.max_tokens}
+    return {"micro_batch_size": args.micro_batch_size}
+
+
 def profile_step(policy, batch: dict, loss_fn, args: argparse.Namespace) -> None:
     """One more `train_step` under torch.profiler: its wall time, the time the device ran kernels (on a GPU; the
     rest of the wall time it waited for the host: launches, Python, syncs; and the host syncs of one step more,
@@ -166,7 +173,7 @@ def profile_step(policy, batch: dict, loss_fn, args: argparse.Namespace) -> None
     sync()
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        policy.train_step(batch, loss_fn, micro_batch_size=args.micro_batch_size)
+        policy.train_step(batch, loss_fn, **micro_batching(args))
         sync()
         wall = time.perf_counter() - start
     events = prof.key_averages()
@@ -190,7 +197,7 @@ def count_host_syncs(policy, batch: dict, loss_fn, args: argparse.Namespace) -> 
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            policy.train_step(batch, loss_fn, micro_batch_size=args.micro_batch_size)
+            policy.train_step(batch, loss_fn, **micro_batching(args))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchronizing" in str(w.message) for w in seen)
@@ -208,6 +215,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=None, help="sequences per step (default: the preset's)")
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch (preset's)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="fill micro-batches by this token budget instead (the trainer's max_tokens_per_micro_batch)",
+    )
     p.add_argument("--steps", type=int, default=6, help="measured steps")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps before them")
     p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s of the device (override)")
@@ -226,6 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.micro_batch_size = args.micro_batch_size or preset.micro_batch_size
     if args.steps < 1 or args.warmup < 0 or args.rows < 1 or args.length < 2 or args.micro_batch_size < 1:
         p.error("need --steps >= 1, --warmup >= 0, --rows >= 1, --length >= 2, --micro-batch-size >= 1")
+    if args.max_tokens is not None and args.max_tokens < args.length:
+        p.error(f"--max-tokens {args.max_tokens} is below one row's {args.length} tokens")
     if args.peak_flops is not None and args.peak_flops <= 0:
         p.error("--peak-flops must be > 0")
     return args
@@ -273,7 +288,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
             f"{policy_s:.1f} s"
         )
         print(
-            f"step: {args.rows} rows x {args.length} tokens, micro-batches of {args.micro_batch_size} rows; "
+            f"step: {args.rows} rows x {args.length} tokens, micro-batches of "
+            f"{f'{args.max_tokens} tokens at most' if args.max_tokens else f'{args.micro_batch_size} rows'}; "
             f"{args.warmup} warm-up + {args.steps} measured steps"
         )
         peak_text = f"{perf.peak_flops / 1e12:.3f} TFLOP/s" if perf.peak_flops else "unknown"
@@ -291,7 +307,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
             batch = make_batch(args.rows, args.length, preset.vocab_size, seed=SEED + step)
             sync()
             start = time.perf_counter()
-            out = policy.train_step(batch, loss_fn, micro_batch_size=args.micro_batch_size)
+            out = policy.train_step(batch, loss_fn, **micro_batching(args))
             sync()
             seconds = time.perf_counter() - start
             perf_out = perf_metrics(perf, sums, {"train": seconds}, out, algo, workers=1)

@@ -5,7 +5,7 @@
 #      copies, the trainer's logits packed against dense, the HF engine on CUDA, and (GPU only) a Qwen VL
 #      policy's log-probs and a step with images;
 #   1. train-phase MFU of the Megatron trainer (`release/bench_train_mfu.py`, bf16, 64 rows of 1,024 tokens in
-#      micro-batches of 16 rows = 16,384 tokens): Qwen2.5-0.5B's shape, then Qwen2.5-1.5B's with one more step
+#      micro-batches filled by a 16,384-token budget, as training fills them): Qwen2.5-0.5B's shape, then Qwen2.5-1.5B's with one more step
 #      profiled (the share of its wall time the GPU ran kernels, top ops by GPU and host time);
 #   2. a 3-step GRPO `fit()` of the demo with the Hugging Face engine in the trainer's process (no vLLM on the
 #      device machine), one training worker: NCCL on a GPU.
@@ -26,10 +26,10 @@ PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  MODE=gpu; SMALL_MB=16; LARGE_MB=16; FIT_S=240
+  MODE=gpu; LEN=1024; SMALL_MB=16; LARGE_MB=16; FIT_S=240  # rows of 1,024 tokens: a 16,384-token budget
   SMALL=(--preset qwen2-0.5b --dtype bf16 --steps 3 --warmup 2); LARGE=(--preset qwen2-1.5b --dtype bf16 --steps 3 --warmup 2)
 else
-  MODE=cpu; SMALL_MB=4; LARGE_MB=8; FIT_S=300
+  MODE=cpu; LEN=64; SMALL_MB=4; LARGE_MB=8; FIT_S=300
   SMALL=(--preset tiny --dtype fp32 --steps 2 --warmup 1); LARGE=(--preset tiny --dtype fp32 --steps 2 --warmup 1)
 fi
 echo "gpu_check: mode $MODE, logs in $OUT"
@@ -42,9 +42,9 @@ TESTS=(tests/train/test_packed_attention.py tests/train/test_fused.py::test_rms_
 [ "$MODE" = gpu ] && TESTS+=(tests/vision/test_qwen_vl.py::test_policy_log_probs_and_a_step_with_images_once_per_prompt)
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 120 "$PY" release/bench_train_mfu.py "${SMALL[@]}" --micro-batch-size "$SMALL_MB" 2>&1 | tee "$OUT/mfu_small.log"
+timeout 120 "$PY" release/bench_train_mfu.py "${SMALL[@]}" --max-tokens $((SMALL_MB * LEN)) 2>&1 | tee "$OUT/mfu_small.log"
 small_rc=${PIPESTATUS[0]}
-timeout 200 "$PY" release/bench_train_mfu.py "${LARGE[@]}" --micro-batch-size "$LARGE_MB" --profile 15 2>&1 | tee "$OUT/mfu_large.log"
+timeout 200 "$PY" release/bench_train_mfu.py "${LARGE[@]}" --max-tokens $((LARGE_MB * LEN)) --profile 15 2>&1 | tee "$OUT/mfu_large.log"
 large_rc=${PIPESTATUS[0]}
 timeout "$FIT_S" "$PY" examples/grpo.py train.steps=3 train.dp_size=1 rollout.engine=hf \
   checkpoint.enable=false checkpoint.max_failures=0 output.dir="$OUT/fit" 2>&1 | tee "$OUT/fit.log"
