@@ -69,11 +69,13 @@ class SegmentLayout:
         return BucketPlan(grids, plan.out_cell.to(device))
 
     def to(self, device) -> SegmentLayout:
-        moved = (None if t is None else to_device(t, device) for t in (self.kv_index, self.cu_q, self.cu_k))
-        visible, grid, out_source = (
-            None if t is None else to_device(t, device) for t in (self.visible, self.grid, self.out_source)
-        )
-        return SegmentLayout(*moved, self.max_q, self.max_k, visible, grid, out_source)
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else to_device(t, device)
+
+        return SegmentLayout(
+            to_device(self.kv_index, device), to_device(self.cu_q, device), to_device(self.cu_k, device),
+            self.max_q, self.max_k, move(self.visible), move(self.grid), move(self.out_source),
+        )  # fmt: skip
 
     def flattened(self, real: Tensor, length: int | None = None) -> SegmentLayout:
         """This layout for its [G, L] rows' real positions (`real` [G, L] bool) laid end to end as one row of T
@@ -203,7 +205,7 @@ def _whole_rows(
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [G, heads, L, d]
         out = grouped_attention(q, k, v, scale, active_gqa(), mask=layout.visible)
         return out.permute(2, 0, 1, 3).reshape(length, rows, heads * dim)
-    assert layout.visible is not None
+    assert layout.visible is not None and layout.out_source is not None
     rows, length, grid = layout.visible.shape[0], layout.visible.shape[-1], layout.grid
 
     def padded(x: Tensor) -> Tensor:  # [T, 1, n, d] -> [G, n, L, d]

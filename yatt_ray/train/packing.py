@@ -35,6 +35,7 @@ grouping gives the same results; only the cost differs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -141,7 +142,7 @@ class SharedPrefixRows:
         return lookup[index.cpu()]
 
     def to(self, device) -> SharedPrefixRows:
-        moved = {
+        moved: dict[str, Any] = {
             k: v.to(device) if isinstance(v, SegmentLayout) else to_device(v, device)
             for k, v in vars(self).items()
             if v is not None

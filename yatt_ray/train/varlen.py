@@ -147,7 +147,7 @@ def _cells(x: Tensor, rows: Tensor, heads: int | None = None, expand: bool = Fal
     """x [T, n, d] read at `rows` [S, W] -> [S, n, W, d] (n -> `heads` with k / v repeated when `expand`)."""
     s, w = rows.shape
     out = x.index_select(0, rows.reshape(-1)).view(s, w, x.shape[1], x.shape[2]).transpose(1, 2)
-    if expand and heads != x.shape[1]:
+    if expand and heads is not None and heads != x.shape[1]:
         out = out.repeat_interleave(heads // x.shape[1], dim=1)
     return out
 
