@@ -9,8 +9,8 @@ shared prompt's keys and its own.
 It is one torch operator (`yatt_ray::varlen_attention`, its backward `yatt_ray::varlen_attention_backward`):
 
 - on CUDA: FlashAttention-2's variable-length kernel as torch ships it (`aten::_flash_attention_forward` /
-  `_backward` with cumulative lengths; GQA in the kernel): one kernel launch forward and one backward per layer,
-  whatever the number of sequences, and no padding;
+  `_backward` with cumulative lengths; GQA in the kernel): one flash-attention call forward and one backward
+  per layer, whatever the number of sequences, and no padding;
 - on the CPU: its stand-in, the sequences batched into length buckets (`BucketPlan`) with one fused CPU flash
   call per bucket (`aten::_scaled_dot_product_flash_attention_for_cpu`, whose output and log-sum-exp are kept
   for the backward: no recomputation).
@@ -65,9 +65,8 @@ def bucket_plan(cu_q: Tensor, cu_k: Tensor, kv_positions: Tensor) -> BucketPlan:
         real = t < n_k[members][:, None]
         kv_rows = torch.where(real, cu_k[members].long()[:, None] + t, 0)
         q_rows = torch.where(real, kv_positions[kv_rows], 0)
-        first_query = (n_k - n_q)[members][
-            :, None
-        ]  # cells first_query .. n_k - 1 hold the sequence's queries
+        # cells first_query .. n_k - 1 hold the sequence's queries
+        first_query = (n_k - n_q)[members][:, None]
         owns = real & (t >= first_query)
         q_index = cu_q[members].long()[:, None] + t - first_query
         cells = offset + torch.arange(real.numel()).view_as(real)
@@ -138,7 +137,9 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, plan, expand_gqa):
     cells = sum(g.numel() for g in plan[0:-1:2])
     return (
         q.new_empty(q.shape),
-        q.new_empty(cells * heads, dtype=torch.float32),
+        q.new_empty(
+            cells * heads, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        ),
         q.new_empty(cells, heads, dim),
     )
 
